@@ -1,0 +1,120 @@
+"""Build an SSE-H model from a pretrained Llama/Qwen2-style Transformer by weight inheritance.
+
+Which layers become SSE: by default the paper's pattern, ``[sse] * 5 + [attn]`` repeated, so with L layers
+the layers ``5, 11, 17, ...`` (0-based) stay softmax attention and every other layer becomes SSE. Pass
+``mixer_types`` for any other pattern.
+
+What is inherited: token embeddings, the LM head, every RMSNorm, every MLP, and the Q/K/V/O projections of
+every layer (biases too; Qwen2's Q/K/V biases set ``linear_qkv_bias``). Kept attention layers are copied
+exactly (same heads, GQA, RoPE base), so they compute what they computed in the source. In SSE layers the
+source's K/V heads are repeated across its GQA groups, so every query head keeps reading the keys and
+values it read before; SSE gives every partition the same Q/K/V.
+
+What is new, and how it starts: the LoRA difference between the sparse and the shared partitions starts at
+zero (its up-projection is zero), so all partitions begin with the inherited projections; the router starts
+near uniform (small weights); decay gates, output gate and output norm start as a freshly initialised
+SSE layer (fla's initialisation), which is what training from scratch uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .configuration_sse import SSEConfig, hybrid_mixer_types
+from .modeling_sse import SSEForCausalLM
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(cfg, "rope_theta", 10000.0))
+
+
+def sse_config_from_transformer(cfg, mixer_types: list[str] | None = None, **overrides) -> SSEConfig:
+    """The SSE-H configuration matching a Llama/Qwen2-style config (same widths, heads and vocabulary)."""
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"conversion supports {SUPPORTED}, got model_type={cfg.model_type!r}")
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"conversion needs a SwiGLU MLP (hidden_act='silu'), got {cfg.hidden_act!r}")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+    layers = cfg.num_hidden_layers
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=layers,
+        mixer_types=mixer_types or hybrid_mixer_types(layers),
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        num_heads=cfg.num_attention_heads,
+        head_dim=head_dim,
+        linear_qkv_bias=qkv_bias,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        attention_head_dim=head_dim,
+        attention_bias=qkv_bias,
+        rope_theta=_rope_theta(cfg),
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+    )
+    kwargs.update(overrides)
+    return SSEConfig(**kwargs)
+
+
+def _repeat_kv(weight: torch.Tensor, num_kv: int, groups: int, head_dim: int) -> torch.Tensor:
+    """``[num_kv * D, ...]`` -> ``[num_kv * groups * D, ...]``: each KV head copied for its query heads."""
+    shape = weight.shape
+    w = weight.reshape(num_kv, 1, head_dim, *shape[1:]).expand(num_kv, groups, head_dim, *shape[1:])
+    return w.reshape(num_kv * groups * head_dim, *shape[1:])
+
+
+@torch.no_grad()
+def convert_to_sse(
+    source: PreTrainedModel | str | Path,
+    mixer_types: list[str] | None = None,
+    torch_dtype: torch.dtype | None = None,
+    **config_overrides,
+) -> SSEForCausalLM:
+    """Converts ``source`` (a model object, or a local path / hub name of one) into an SSE-H model."""
+    if not isinstance(source, PreTrainedModel):
+        source = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or torch.float32)
+    src_cfg = source.config
+    config = sse_config_from_transformer(src_cfg, mixer_types, **config_overrides)
+    model = SSEForCausalLM(config).to(dtype=next(source.parameters()).dtype)
+    src = source.model
+    model.model.embeddings.weight.copy_(src.embed_tokens.weight)
+    model.model.norm.weight.copy_(src.norm.weight)
+    if not config.tie_word_embeddings:
+        model.lm_head.weight.copy_(source.lm_head.weight)
+
+    groups = src_cfg.num_attention_heads // src_cfg.num_key_value_heads
+    for i, (ours, theirs) in enumerate(zip(model.model.layers, src.layers)):
+        ours.attn_norm.weight.copy_(theirs.input_layernorm.weight)
+        ours.mlp_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+        ours.mlp.load_state_dict(theirs.mlp.state_dict())
+        attn, mixer = theirs.self_attn, ours.attn
+        if config.mixer_types[i] in ("attn", "swa"):
+            mixer.load_state_dict(attn.state_dict())
+            continue
+        for name in ("q_proj", "k_proj", "v_proj"):
+            src_lin, dst_lin = getattr(attn, name), getattr(mixer, name)
+            repeat = name != "q_proj" and groups > 1
+            dst_lin.weight.copy_(_repeat_kv(src_lin.weight, src_cfg.num_key_value_heads, groups, config.head_dim)
+                                 if repeat else src_lin.weight)
+            if dst_lin.bias is not None and src_lin.bias is not None:
+                dst_lin.bias.copy_(_repeat_kv(src_lin.bias, src_cfg.num_key_value_heads, groups, config.head_dim)
+                                   if repeat else src_lin.bias)
+        mixer.o_proj.weight.copy_(attn.o_proj.weight)
+        if hasattr(mixer, "lora_q_proj"):
+            mixer.lora_q_proj[1].weight.zero_()
+            mixer.lora_k_proj[1].weight.zero_()
+    return model

@@ -1,0 +1,76 @@
+"""Causal softmax attention with RoPE and GQA (``attn``), optionally within a sliding window (``swa``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..modules import RotaryEmbedding
+from .common import ForwardContext
+
+
+class SoftmaxAttention(nn.Module):
+    """Llama/Qwen2-style attention; parameter names match those models and fla's ``Attention``.
+
+    A query at absolute position ``i`` sees keys at ``j <= i`` (and ``j > i - window`` for ``swa``) that
+    are valid in the key mask and, in a packed batch, belong to the same sequence.
+    """
+
+    def __init__(self, config, layer_idx: int, window: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.attn_head_dim
+        self.window = window
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, base=config.rope_theta)
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(q, k, ctx.position_ids)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+
+        first_key = ctx.past_length
+        if ctx.cache is not None:
+            layer_cache = ctx.cache[self.layer_idx]
+            first_key = ctx.past_length - layer_cache.length
+            k, v = layer_cache.update(k, v)
+
+        mask = self._mask(ctx, T, first_key, k.shape[2], q.device)
+        o = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(o), None
+
+    def _mask(self, ctx: ForwardContext, T: int, first_key: int, num_keys: int, device) -> torch.Tensor | None:
+        """Boolean ``[B or 1, 1, T, num_keys]`` mask, or None where plain causal attention is exact."""
+        simple = ctx.key_mask is None and ctx.cu_seqlens is None and (self.window is None or num_keys <= self.window)
+        if simple and (num_keys == T or T == 1):
+            return None
+        q_pos = torch.arange(ctx.past_length, ctx.past_length + T, device=device)
+        k_pos = torch.arange(first_key, first_key + num_keys, device=device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if self.window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - self.window
+        if ctx.cu_seqlens is not None:
+            seq = torch.searchsorted(ctx.cu_seqlens.long()[1:], torch.arange(T, device=device), right=True)
+            allowed &= seq[None, :] == seq[:, None]
+        allowed = allowed[None]
+        if ctx.key_mask is not None:
+            allowed = allowed & ctx.key_mask[:, k_pos][:, None, :]
+        # A padded query has no valid key; let it see itself so its (ignored) output stays finite.
+        allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None]
+        return allowed[:, None]

@@ -1,0 +1,38 @@
+"""What every mixer receives besides its hidden states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import SSEHybridCache
+
+
+@dataclass
+class ForwardContext:
+    """Computed once per model forward and shared by all layers.
+
+    ``token_mask`` ([B, T], False at padding) makes linear mixers skip padded tokens: their key, value,
+    decay and write strength are zeroed, so states pass through them unchanged. ``key_mask`` ([B, past + T])
+    is the validity of every position a softmax layer can attend to. ``cu_seqlens`` marks a packed batch.
+    """
+
+    position_ids: torch.Tensor
+    token_mask: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    cache: SSEHybridCache | None = None
+    past_length: int = 0
+
+    @property
+    def use_cache(self) -> bool:
+        return self.cache is not None
+
+
+def zero_padding(x: torch.Tensor | None, token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` with every padded token's entries set to 0 (``where``, so NaN or inf cannot leak through)."""
+    if x is None or token_mask is None:
+        return x
+    mask = token_mask.reshape(*token_mask.shape, *([1] * (x.dim() - token_mask.dim())))
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))

@@ -1,0 +1,164 @@
+"""The Sparse State Expansion mixer (SSE over a GLA or gated delta-rule transition).
+
+Parameter names and the default computation follow the public reference, fla's ``SSEGLA``/``SSEGDN``,
+so its checkpoints load unchanged (see ``sse_model/fla_compat.py``):
+
+    q_proj, k_proj, v_proj          shared by all partitions
+    lora_q_proj, lora_k_proj        low-rank difference between the shared and the sparse partitions' Q/K
+    gk_proj[0], gk_proj[1]          GLA: low-rank decay gates of the shared and the sparse partitions
+    a_proj, b_proj, A_log, dt_bias  GDN: decay and write strength, first half shared, second half sparse
+    e_proj                          router over the N sparse partitions
+    q_conv1d_shared, k_conv1d_shared  optional short convolutions of the shared partition's Q/K
+    g_proj, o_norm, o_proj          low-rank output gate, per-head gated RMSNorm, output projection
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cache import LinearLayerState
+from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, feature_map, row_topk_softmax
+from ..ops.delta_rule import l2norm
+from ..ops.dispatch import sse_attention
+from ..ops.sse import Branch, Routing, SSEOptions, route
+from .common import ForwardContext, zero_padding
+from .linear import gdn_gates, init_gdn_decay, output_projection
+
+
+def balance_loss(routing: Routing, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """``N / K * sum_i f_i * P_i``: ``f_i`` the fraction of tokens writing partition i, ``P_i`` its mean
+    router probability, both over real (non-padding) tokens. 1 when balanced, up to N / K when collapsed."""
+    probs = routing.probs.float()
+    chosen = routing.write_mask.float()
+    if token_mask is not None:
+        weight = token_mask.to(probs.dtype)[..., None]
+        count = weight.sum().clamp(min=1)
+        mean_prob = (probs * weight).sum(dim=(0, 1)) / count
+        frac = (chosen * weight).sum(dim=(0, 1)) / count
+    else:
+        mean_prob = probs.mean(dim=(0, 1))
+        frac = chosen.mean(dim=(0, 1))
+    return routing.num_partitions / routing.num_writers * (mean_prob * frac).sum()
+
+
+class SSEAttention(nn.Module):
+    """One SSE layer; see :class:`~sse_model.SSEConfig` for the choices and ``ops/sse.py`` for the math."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        H, K, V = config.num_heads, config.head_dim, config.head_v_dim
+        self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
+        self.num_partitions = config.num_sparse_partitions
+        self.transition = config.sse_transition
+        hidden = config.hidden_size
+        rank = config.resolved_lora_rank()
+
+        bias = config.linear_qkv_bias
+        self.q_proj = nn.Linear(hidden, H * K, bias=bias)
+        self.k_proj = nn.Linear(hidden, H * K, bias=bias)
+        self.v_proj = nn.Linear(hidden, H * V, bias=bias)
+        self.lora_q_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, H * K, bias=False))
+        self.lora_k_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, H * K, bias=False))
+        if self.transition == "gla":
+            r = config.gate_low_rank_dim
+            self.gk_proj = nn.ModuleList(
+                nn.Sequential(nn.Linear(hidden, r, bias=False), nn.Linear(r, H * K, bias=True)) for _ in range(2)
+            )
+        else:
+            self.a_proj = nn.Linear(hidden, 2 * H, bias=False)
+            self.b_proj = nn.Linear(hidden, 2 * H, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(2 * H))
+            self.dt_bias = nn.Parameter(torch.zeros(2 * H))
+            init_gdn_decay(self.A_log, self.dt_bias)
+        self.e_proj = nn.Linear(hidden, self.num_partitions, bias=False)
+        if config.use_short_conv:
+            self.q_conv1d_shared = ShortConvolution(H * K, config.conv_size)
+            self.k_conv1d_shared = ShortConvolution(H * K, config.conv_size)
+        if config.use_output_gate:
+            self.g_proj = nn.Sequential(nn.Linear(hidden, V, bias=False), nn.Linear(V, H * V, bias=False))
+            self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
+        else:
+            self.o_norm = RMSNorm(V, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * V, hidden, bias=False)
+
+        gating = config.sse_gating
+        self.options = SSEOptions(
+            transition=self.transition,
+            write_gate=gating in ("write_read", "write"),
+            read_gate=gating in ("write_read", "read"),
+            gate_target=config.gdn_gate_target,
+            qk_l2norm=self.transition == "gdn" and config.gdn_gate_target == "key",
+        )
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        B, T, _ = hidden_states.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        mask = ctx.token_mask
+        x = zero_padding(hidden_states, mask)
+        state = ctx.cache[self.layer_idx] if ctx.cache is not None else None
+
+        q, k = zero_padding(self.q_proj(x), mask), zero_padding(self.k_proj(x), mask)
+        lora_q, lora_k = self.lora_q_proj(x), self.lora_k_proj(x)
+        if cfg.lora_side == "sparse":
+            q_shared, k_shared, q_sparse, k_sparse = q, k, q + lora_q, k + lora_k
+        else:
+            q_shared, k_shared, q_sparse, k_sparse = q + lora_q, k + lora_k, q, k
+        conv_out = None
+        if cfg.use_short_conv:
+            conv_in = state.conv if state is not None and state.conv is not None else (None, None)
+            q_shared, conv_q = self.q_conv1d_shared(q_shared, conv_in[0], ctx.use_cache, ctx.cu_seqlens)
+            k_shared, conv_k = self.k_conv1d_shared(k_shared, conv_in[1], ctx.use_cache, ctx.cu_seqlens)
+            conv_out = (conv_q, conv_k)
+
+        def heads(t, d):
+            return t.view(B, T, H, d)
+
+        (q_shared, k_shared, rows_shared), (q_sparse, k_sparse, rows_sparse) = (
+            self._features(heads(q_shared, K), heads(k_shared, K)),
+            self._features(heads(q_sparse, K), heads(k_sparse, K)),
+        )
+        v = feature_map(heads(self.v_proj(x), V), cfg.v_activation)
+        if self.transition == "gla":
+            norm = cfg.gate_logit_normalizer
+            g_shared = F.logsigmoid(heads(self.gk_proj[0](x), K)) / norm
+            g_sparse = F.logsigmoid(heads(self.gk_proj[1](x), K)) / norm
+            if rows_shared is not None:  # row top-k: rows that are not written are not decayed either
+                g_shared, g_sparse = g_shared * rows_shared, g_sparse * rows_sparse
+            beta_shared = beta_sparse = None
+        else:
+            g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias, cfg.allow_neg_eigval)
+            (g_shared, g_sparse), (beta_shared, beta_sparse) = g.chunk(2, dim=-1), beta.chunk(2, dim=-1)
+            if cfg.gdn_gate_target == "value":
+                q_shared, k_shared, q_sparse, k_sparse = map(l2norm, (q_shared, k_shared, q_sparse, k_sparse))
+        shared = Branch(q_shared, *(zero_padding(t, mask) for t in (k_shared, g_shared, beta_shared)))
+        sparse = Branch(q_sparse, *(zero_padding(t, mask) for t in (k_sparse, g_sparse, beta_sparse)))
+        v = zero_padding(v, mask)
+
+        routing = route(self.e_proj(x), cfg.num_writers, cfg.num_readers)
+        o, recurrent = sse_attention(
+            shared, sparse, v, routing, self.options,
+            implementation=cfg.sse_implementation,
+            mode=cfg.linear_mode,
+            chunk_size=cfg.chunk_size,
+            initial_state=None if state is None else state.recurrent,
+            output_final_state=ctx.use_cache,
+            cu_seqlens=ctx.cu_seqlens,
+        )
+        if state is not None:
+            ctx.cache.layers[self.layer_idx] = LinearLayerState(recurrent, conv_out)
+        out = output_projection(self, o.to(hidden_states.dtype), hidden_states)
+        return out, balance_loss(routing, mask)
+
+    def _features(self, q_raw: torch.Tensor, k_raw: torch.Tensor):
+        """Feature maps of one side: ``(q, k, rows)``. With ``row_topk`` the key is ``softmax(top-k(.))``
+        over its rows and ``rows`` the mask of the rows it writes; otherwise ``rows`` is None."""
+        cfg = self.config
+        q = feature_map(q_raw, cfg.q_activation)
+        if cfg.row_topk is not None and cfg.row_topk < self.head_k_dim:
+            k, rows = row_topk_softmax(k_raw, cfg.row_topk)
+            return q, k, rows.to(k.dtype)
+        return q, feature_map(k_raw, cfg.key_activation(self.transition)), None

@@ -1,0 +1,122 @@
+"""Small building blocks shared by the mixers: norms, SwiGLU MLP, short convolution, feature maps, RoPE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, weight named ``weight`` (Llama and fla layout)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float() if x.dtype != torch.float64 else x
+        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(y.dtype)).to(dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(x) * silu(gate)``: the GLA output norm and gate (fla ``FusedRMSNormGated``)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        g = gate.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        return (y.to(g.dtype) * F.silu(g)).to(x.dtype)
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+        super().__init__()
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"SwiGLU MLP supports hidden_act 'silu', got {hidden_act!r}")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ShortConvolution(nn.Conv1d):
+    """Causal depthwise convolution over time (no activation), with a decode cache and packed sequences.
+
+    The cache holds the last ``kernel_size`` inputs, ``[B, D, kernel_size]`` (fla's layout).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False):
+        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias, padding=0)
+
+    def forward(self, x, cache=None, output_final_state=False, cu_seqlens=None):  # noqa: D102
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        history = x.new_zeros(B, W - 1, D) if cache is None else cache[..., 1:].transpose(1, 2).to(x.dtype)
+        full = torch.cat([history, x], dim=1)  # [B, W - 1 + T, D]
+        weight = self.weight[:, 0, :]  # [D, W]; tap W-1 multiplies the current token
+        if cu_seqlens is not None:
+            pos = torch.arange(T, device=x.device)
+            seq_start = cu_seqlens.long()[torch.searchsorted(cu_seqlens.long()[1:], pos, right=True)]
+            pos_in_seq = pos - seq_start
+        out = 0
+        for j in range(W):  # j = how many steps back
+            tap = full[:, W - 1 - j: W - 1 - j + T] * weight[:, W - 1 - j]
+            if cu_seqlens is not None and j:
+                tap = tap * (pos_in_seq >= j)[None, :, None]
+            out = out + tap
+        if self.bias is not None:
+            out = out + self.bias
+        new_cache = full[:, -W:].transpose(1, 2).contiguous() if output_final_state else None
+        return out, new_cache
+
+
+def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
+    """q/k/v feature maps over the last (head) dim; softmax runs in float32."""
+    if name == "identity":
+        return x
+    if name == "silu":
+        return F.silu(x)
+    if name == "softmax":
+        return torch.softmax(x.float() if x.dtype != torch.float64 else x, dim=-1).to(x.dtype)
+    raise ValueError(f"unknown feature map {name!r}")
+
+
+def row_topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(top-k(logits))`` over the last dim (zeros off the top k) and the boolean row mask."""
+    top = torch.topk(logits.detach(), k, dim=-1).indices
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top, True)
+    masked = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(masked.float() if masked.dtype != torch.float64 else masked, dim=-1)
+    return probs.to(logits.dtype), mask
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the rotate-half layout of Llama, Qwen2 and fla."""
+
+    def __init__(self, dim: int, base: float = 10000.0):
+        super().__init__()
+        self.dim = dim
+        self.base = base
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+
+    def forward(self, q, k, position_ids):
+        """``q, k: [B, T, H, D]``; ``position_ids: [B, T]``."""
+        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [B, T, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+
+        def rotate(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            xf = x.to(cos.dtype) if x.dtype != torch.float64 else x
+            rotated = torch.cat([-x2, x1], dim=-1).to(xf.dtype)
+            return (xf * cos.to(xf.dtype) + rotated * sin.to(xf.dtype)).to(x.dtype)
+
+        return rotate(q), rotate(k)

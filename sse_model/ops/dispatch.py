@@ -1,0 +1,155 @@
+"""The single dispatch point for linear-attention and SSE compute.
+
+Every mixer calls :func:`linear_attention` or :func:`sse_attention`; this module decides which
+implementation runs. The PyTorch ops of this package (recurrent definitions and chunked forms) always work;
+accelerated backends (the Triton kernels of ``kernels/``) register themselves with :func:`register_backend`
+and are used on the devices they support. ``SSE_BACKEND=torch`` in the environment forces the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gla import chunk_gla, recurrent_gla
+from .sse import Branch, Routing, SSEOptions, sse_masked, sse_recurrent, sse_varlen
+
+SSE_IMPLEMENTATIONS = ("auto", "recurrent", "mask", "varlen")
+LINEAR_MODES = ("auto", "recurrent", "chunk")
+
+
+def _uniform(transition: str, fn: Callable, **fixed) -> Callable:
+    """Gives GLA and gated-delta-rule functions one calling convention ``op(q, k, v, g, beta, **kw)``."""
+
+    def op(q, k, v, g, beta=None, *, scale=None, initial_state=None, output_final_state=False,
+           cu_seqlens=None, use_qk_l2norm=False):
+        kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, **fixed)
+        if transition == "gla":
+            if use_qk_l2norm:
+                raise ValueError("use_qk_l2norm is only defined for the gated delta rule")
+            return fn(q, k, v, g, **kw)
+        return fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, **kw)
+
+    return op
+
+
+def torch_linear_op(transition: str, mode: str = "chunk", chunk_size: int = 16) -> Callable:
+    if transition not in ("gla", "gdn"):
+        raise ValueError(f"unknown transition {transition!r}; expected 'gla' or 'gdn'")
+    if mode == "recurrent":
+        return _uniform(transition, recurrent_gla if transition == "gla" else recurrent_gated_delta_rule)
+    fn = chunk_gla if transition == "gla" else chunk_gated_delta_rule
+    return _uniform(transition, fn, chunk_size=chunk_size)
+
+
+@dataclass
+class Backend:
+    """An accelerated implementation: ``linear_op(transition, mode)`` and optionally a whole-SSE function."""
+
+    name: str
+    supports: Callable[[torch.Tensor], bool]
+    linear_op: Callable[[str, str], Callable | None]
+    sse: Callable | None = None
+    decode: Callable | None = None
+
+
+_BACKENDS: list[Backend] = []
+
+
+def register_backend(backend: Backend) -> None:
+    _BACKENDS[:] = [b for b in _BACKENDS if b.name != backend.name] + [backend]
+
+
+def active_backend(x: torch.Tensor) -> Backend | None:
+    if os.environ.get("SSE_BACKEND", "").lower() == "torch":
+        return None
+    for backend in reversed(_BACKENDS):
+        if backend.supports(x):
+            return backend
+    return None
+
+
+def select_linear_op(transition: str, x: torch.Tensor, mode: str = "auto", chunk_size: int = 16) -> Callable:
+    """The op for ``transition`` on ``x``'s device: a registered backend first, else PyTorch."""
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"unknown linear-attention mode {mode!r}; expected one of {LINEAR_MODES}")
+    backend = active_backend(x)
+    if backend is not None and mode != "recurrent":
+        op = backend.linear_op(transition, mode)
+        if op is not None:
+            return op
+    if mode == "auto":
+        mode = "recurrent" if x.shape[1] == 1 else "chunk"
+    return torch_linear_op(transition, mode, chunk_size)
+
+
+def linear_attention(transition, q, k, v, g, beta=None, *, mode="auto", chunk_size=16, **kw):
+    """GLA (``transition="gla"``) or gated delta rule (``"gdn"``) through the dispatch point."""
+    op = select_linear_op(transition, q, mode, chunk_size)
+    return op(q, k, v, g, beta, **kw)
+
+
+# Measured crossover (tokens per sequence and partition) below which masking beats varlen; see
+# docs/benchmarks.md. The PyTorch path always prefers masking for short inputs, where it is cheaper.
+VARLEN_MIN_TOKENS_PER_PARTITION = 512
+
+
+def choose_sse_implementation(seq_len: int, num_partitions: int, num_selected: int) -> str:
+    """Varlen when each partition's segments are long enough for full chunks, masking otherwise."""
+    if seq_len * num_selected / num_partitions >= VARLEN_MIN_TOKENS_PER_PARTITION:
+        return "varlen"
+    return "mask"
+
+
+def sse_attention(
+    shared: Branch,
+    sparse: Branch,
+    v: torch.Tensor,
+    routing: Routing,
+    opts: SSEOptions,
+    *,
+    implementation: str = "auto",
+    mode: str = "auto",
+    chunk_size: int = 16,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SSE through the dispatch point. ``implementation``: auto | recurrent | mask | varlen."""
+    if implementation not in SSE_IMPLEMENTATIONS:
+        raise ValueError(f"unknown SSE implementation {implementation!r}; expected one of {SSE_IMPLEMENTATIONS}")
+    kw = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    backend = active_backend(v)
+    if backend is not None and backend.sse is not None and implementation != "recurrent":
+        out = backend.sse(shared, sparse, v, routing, opts, implementation=implementation, **kw)
+        if out is not None:
+            return out
+    if implementation == "recurrent":
+        return sse_recurrent(shared, sparse, v, routing, opts, **kw)
+    seq_len = v.shape[1] if cu_seqlens is None else int(v.shape[1] / max(cu_seqlens.numel() - 1, 1))
+    if implementation == "auto":
+        implementation = choose_sse_implementation(
+            seq_len, routing.num_partitions, max(routing.num_writers, routing.num_readers)
+        )
+    op = select_linear_op(opts.transition, v, mode, chunk_size)
+    impl = sse_masked if implementation == "mask" else sse_varlen
+    return impl(shared, sparse, v, routing, opts, op, **kw)
+
+
+__all__ = [
+    "Backend",
+    "LINEAR_MODES",
+    "SSE_IMPLEMENTATIONS",
+    "active_backend",
+    "choose_sse_implementation",
+    "linear_attention",
+    "register_backend",
+    "select_linear_op",
+    "sse_attention",
+    "torch_linear_op",
+]

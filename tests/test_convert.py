@@ -1,0 +1,71 @@
+"""Conversion of Llama/Qwen2-style Transformers into SSE-H by weight inheritance."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from conftest import assert_close
+from sse_model.convert import convert_to_sse
+
+SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def source_model(kind):
+    torch.manual_seed(0)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
+    model = cls(cfg(**SHAPE)).eval()
+    with torch.no_grad():  # give Qwen2's zero-initialised Q/K/V biases some values to inherit
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_kept_attention_layers_compute_the_same(kind, tmp_path):
+    source = source_model(kind)
+    source.save_pretrained(tmp_path)
+    converted = convert_to_sse(tmp_path).eval()  # from a local path
+    assert converted.config.mixer_types == ["sse"] * 5 + ["attn"]
+    hidden = torch.randn(2, 11, 64)
+    position_ids = torch.arange(11)[None].expand(2, -1)
+    src_layer, our_layer = source.model.layers[5], converted.model.layers[5]
+    cos_sin = source.model.rotary_emb(hidden, position_ids)
+    with torch.no_grad():
+        expected = src_layer.self_attn(hidden, position_embeddings=cos_sin, attention_mask=None)[0]
+        from sse_model.layers.common import ForwardContext
+        got = our_layer.attn(hidden, ForwardContext(position_ids))[0]
+    assert_close(got, expected, torch.float32, f"{kind} attention layer")
+    for name in ("attn_norm", "mlp_norm"):
+        assert torch.equal(getattr(our_layer, name).weight,
+                           getattr(src_layer, "input_layernorm" if name == "attn_norm" else "post_attention_layernorm").weight)
+    assert torch.equal(converted.model.embeddings.weight, source.model.embed_tokens.weight)
+    sse = converted.model.layers[0].attn
+    assert torch.equal(sse.q_proj.weight, source.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(sse.k_proj.weight[:16], source.model.layers[0].self_attn.k_proj.weight[:16])
+    assert torch.equal(sse.k_proj.weight[16:32], source.model.layers[0].self_attn.k_proj.weight[:16])  # GQA repeat
+    assert (sse.q_proj.bias is not None) == (kind == "qwen2")
+
+
+def test_converted_model_trains():
+    model = convert_to_sse(source_model("qwen2")).train()
+    torch.manual_seed(1)
+    batch = torch.randint(0, 101, (4, 24))
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = model(batch, labels=batch).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_unsupported_source_is_rejected():
+    from transformers import GPT2Config
+
+    from sse_model.convert import sse_config_from_transformer
+    with pytest.raises(ValueError, match="model_type"):
+        sse_config_from_transformer(GPT2Config())

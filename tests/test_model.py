@@ -1,0 +1,179 @@
+"""The model: incremental decoding, generation, padding, packing, save/load, aux loss, config errors."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import assert_close
+from sse_model import SSEConfig, SSEForCausalLM, SSEHybridCache
+
+BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, pad_token_id=0)
+MIXERS = {
+    "sse-gla": dict(mixer_types=["sse", "attn"]),
+    "sse-gdn": dict(mixer_types=["sse", "attn"], sse_transition="gdn"),
+    "sse-gdn-value-gate": dict(mixer_types=["sse", "sse"], sse_transition="gdn", gdn_gate_target="value"),
+    "sse-rowtopk-conv-swa": dict(mixer_types=["sse", "swa"], row_topk=3, use_short_conv=True, sliding_window=5,
+                                 lora_side="shared", num_writers=2, num_readers=1),
+    "gla-gdn-sla": dict(mixer_types=["gla", "gdn"], sla_gates=True),
+    "retnet-swa": dict(mixer_types=["retnet", "swa"], sliding_window=4),
+    "attn": dict(mixer_types=["attn", "attn"]),
+}
+
+
+def tiny(mixer="sse-gla", dtype=torch.float64, **overrides):
+    torch.manual_seed(0)
+    config = SSEConfig(**{**BASE, **MIXERS[mixer], **overrides})
+    return SSEForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+@pytest.mark.parametrize("impl", ["mask", "varlen"])
+def test_prefill_then_decode_matches_full_forward(mixer, impl):
+    model = tiny(mixer, sse_implementation=impl)
+    x = torch.randint(1, 97, (2, 23))
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        out = model(x[:, :9], use_cache=True)
+        cache, pieces = out.past_key_values, [out.logits]
+        out = model(x[:, 9:15], past_key_values=cache)  # a second prefill chunk
+        pieces.append(out.logits)
+        for t in range(15, 23):
+            pieces.append(model(x[:, t:t + 1], past_key_values=cache).logits)
+    assert_close(torch.cat(pieces, 1), full, torch.float64, mixer)
+
+
+def test_sse_h_preset_prefill_then_decode():
+    torch.manual_seed(0)
+    model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny")).eval()
+    x = torch.randint(0, 512, (2, 30))
+    with torch.no_grad():
+        full = model(x).logits
+        out = model(x[:, :20], use_cache=True)
+        pieces = [out.logits] + [model(x[:, t:t + 1], past_key_values=out.past_key_values).logits
+                                 for t in range(20, 30)]
+    assert_close(torch.cat(pieces, 1), full, torch.float32, "SSE-H")
+
+
+def test_greedy_generate_matches_argmax_loop():
+    model = tiny("sse-gla", dtype=torch.float32)
+    prompt = torch.randint(1, 97, (1, 7))
+    generated = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, ids)
+
+
+def test_sampling_is_seeded():
+    model = tiny("sse-gla", dtype=torch.float32)
+    prompt = torch.randint(1, 97, (2, 5))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10,
+                                   do_sample=True, top_p=0.9, temperature=1.0, eos_token_id=None))
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("mixer", ["sse-gla", "sse-rowtopk-conv-swa", "gla-gdn-sla"])
+def test_left_padded_batch_matches_single_sequences(mixer):
+    model = tiny(mixer, dtype=torch.float32)
+    prompts = [torch.randint(1, 97, (n,)) for n in (9, 4, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    for i, p in enumerate(prompts):
+        single = model.generate(p[None], max_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert torch.equal(batch[i, width:], single[0, len(p):]), f"prompt {i}"
+
+
+@pytest.mark.parametrize("mixer", ["sse-gla", "sse-gdn", "sse-rowtopk-conv-swa", "gla-gdn-sla"])
+def test_packed_batch_has_no_cross_sample_leakage(mixer):
+    model = tiny(mixer)
+    lengths = [5, 11, 3]
+    seqs = [torch.randint(1, 97, (n,)) for n in lengths]
+    packed = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        out = model(packed, position_ids=position_ids, labels=packed)
+        start, losses, tokens = 0, [], 0
+        for s in seqs:
+            single = model(s[None], labels=s[None])
+            assert_close(out.logits[:, start:start + len(s)], single.logits, torch.float64, "logits")
+            losses.append(single.lm_loss * (len(s) - 1))
+            tokens += len(s) - 1
+            start += len(s)
+    assert_close(out.lm_loss, sum(losses) / tokens, torch.float64, "packed loss")
+
+
+def test_save_load_round_trip_and_auto_classes(tmp_path):
+    model = tiny("sse-rowtopk-conv-swa", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), SSEConfig)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, SSEForCausalLM)
+    x = torch.randint(1, 97, (2, 13))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_aux_loss_rises_when_routing_collapses():
+    model = tiny("sse-gla", dtype=torch.float32, mixer_types=["sse", "sse"], num_sparse_partitions=4)
+    x = torch.randint(1, 97, (4, 64))
+    balanced = model(x, labels=x)
+    collapse = torch.tensor([0.0, 0.0, 10.0, 0.0])  # every token prefers partition 2
+    hooks = [layer.attn.e_proj.register_forward_hook(lambda mod, inp, out: out + collapse)
+             for layer in model.model.layers]
+    collapsed = model(x, labels=x)
+    for hook in hooks:
+        hook.remove()
+    # per layer: ~1 for balanced routing, N / K = 4 when every token writes the same partition
+    assert balanced.aux_loss.item() < 2 * 1.3
+    assert collapsed.aux_loss.item() > 2 * 3.9
+    assert torch.allclose(collapsed.loss, collapsed.lm_loss + 0.01 * collapsed.aux_loss)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(num_writers=5), "num_writers"),
+    (dict(num_readers=0), "num_readers"),
+    (dict(mixer_types=["sse", "mamba"]), "mixer_types"),
+    (dict(mixer_types=["sse"]), "mixer_types"),
+    (dict(num_attention_heads=5), "num_attention_heads"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(expand_v=0.3), "expand_v"),
+    (dict(row_topk=3, sse_transition="gdn"), "row_topk"),
+    (dict(row_topk=99), "row_topk"),
+    (dict(mixer_types=["sse", "swa"]), "sliding_window"),
+    (dict(sse_gating="sometimes"), "sse_gating"),
+])
+def test_inconsistent_configs_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        SSEConfig(**{**BASE, **MIXERS["sse-gla"], **overrides})
+
+
+def test_cache_memory_is_constant_for_linear_layers():
+    model = tiny("sse-gla", dtype=torch.float32, mixer_types=["sse", "sse"])
+    out = model(torch.randint(1, 97, (1, 50)), use_cache=True)
+    cache: SSEHybridCache = out.past_key_values
+    size = cache.memory_bytes()
+    model(torch.randint(1, 97, (1, 1)), past_key_values=cache)
+    assert cache.memory_bytes() == size
+    assert cache.layers[0].recurrent.shape == (1, 5, 2, 8, 8)
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    model = tiny("sse-gla", dtype=torch.float64).train()
+    x = torch.randint(1, 97, (2, 17))
+    model(x, labels=x).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(x, labels=x).loss.backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad, plain[n], torch.float64, n)

@@ -1,0 +1,152 @@
+"""SSE: the masking (Algorithm 1) and varlen (Algorithm 2) implementations against the recurrent definition."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_close
+from sse_model.ops.dispatch import torch_linear_op
+from sse_model.ops.gla import recurrent_gla
+from sse_model.ops.sse import Branch, SSEOptions, route, sse_masked, sse_recurrent, sse_varlen
+
+CU = torch.tensor([0, 3, 3, 21, 40])  # one sequence shorter than a chunk, one empty
+VARIANTS = {
+    "gla": SSEOptions(transition="gla"),
+    "gdn-key": SSEOptions(transition="gdn", qk_l2norm=True, gate_target="key"),
+    "gdn-value": SSEOptions(transition="gdn", gate_target="value"),
+    "gla-write-only": SSEOptions(transition="gla", read_gate=False),
+    "gla-read-only": SSEOptions(transition="gla", write_gate=False),
+    "gla-no-gate": SSEOptions(transition="gla", write_gate=False, read_gate=False),
+}
+
+
+def make_inputs(B, T, H, K, V, N, transition, dtype, num_seqs=None):
+    def branch():
+        q = torch.randn(B, T, H, K, dtype=dtype)
+        k = F.softmax(torch.randn(B, T, H, K, dtype=dtype), dim=-1)
+        if transition == "gla":
+            return [q, k, F.logsigmoid(torch.randn(B, T, H, K, dtype=dtype)) / 4]
+        k = k / k.norm(dim=-1, keepdim=True)
+        return [q, k, F.logsigmoid(torch.randn(B, T, H, dtype=dtype)), torch.rand(B, T, H, dtype=dtype)]
+
+    tensors = branch() + branch() + [torch.randn(B, T, H, V, dtype=dtype), torch.randn(B, T, N, dtype=dtype),
+                                     torch.randn(num_seqs or B, 1 + N, H, K, V, dtype=dtype)]
+    return [t.requires_grad_() for t in tensors]
+
+
+def call(impl, opts, tensors, Kw, Kr, cu_seqlens=None):
+    n = 3 if opts.transition == "gla" else 4
+    shared, sparse = Branch(*tensors[:n]), Branch(*tensors[n:2 * n])
+    v, logits, h0 = tensors[2 * n:]
+    routing = route(logits, Kw, Kr)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    if impl == "recurrent":
+        return sse_recurrent(shared, sparse, v, routing, opts, **kw)
+    op = torch_linear_op(opts.transition, "chunk", chunk_size=8)
+    return (sse_masked if impl == "mask" else sse_varlen)(shared, sparse, v, routing, opts, op, **kw)
+
+
+def grad_floor(opts, index, tensors):
+    """With the reference GDN gating (gate before the in-op L2 norm) the router's gradient is only the
+    norm's eps term, ~1e-4 of the others; in float32 it sits at rounding level, so its error is measured
+    against the O(1) scale of the other gradients."""
+    return 1.0 if opts.transition == "gdn" and opts.qk_l2norm and index == len(tensors) - 2 else 0.0
+
+
+def outputs_and_grads(impl, opts, tensors, Kw, Kr, cu_seqlens=None):
+    o, state = call(impl, opts, tensors, Kw, Kr, cu_seqlens)
+    weights = torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)
+    loss = (o * weights).sum() + (state ** 2).sum()
+    grads = torch.autograd.grad(loss, tensors, allow_unused=True)  # router unused without gates
+    return o, state, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, tensors)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("Kw,Kr", [(1, 1), (2, 1), (1, 2)])
+def test_implementations_agree(variant, dtype, Kw, Kr):
+    opts = VARIANTS[variant]
+    tensors = make_inputs(2, 19, 2, 8, 4, 4, opts.transition, dtype)
+    ref = outputs_and_grads("recurrent", opts, tensors, Kw, Kr)
+    for impl in ("mask", "varlen"):
+        o, state, grads = outputs_and_grads(impl, opts, tensors, Kw, Kr)
+        assert_close(o, ref[0], dtype, f"{impl} output")
+        assert_close(state, ref[1], dtype, f"{impl} final state")
+        for i, (a, b) in enumerate(zip(grads, ref[2])):
+            assert_close(a, b, dtype, f"{impl} gradient of input {i}", grad_floor(opts, i, tensors))
+
+
+@pytest.mark.parametrize("variant", ["gla", "gdn-key", "gdn-value"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_batches_agree(variant, dtype):
+    opts = VARIANTS[variant]
+    tensors = make_inputs(1, 40, 2, 8, 4, 4, opts.transition, dtype, num_seqs=4)
+    ref = outputs_and_grads("recurrent", opts, tensors, 1, 1, CU)
+    for impl in ("mask", "varlen"):
+        o, state, grads = outputs_and_grads(impl, opts, tensors, 1, 1, CU)
+        assert_close(o, ref[0], dtype, f"{impl} output")
+        assert_close(state, ref[1], dtype, f"{impl} final state")
+        for i, (a, b) in enumerate(zip(grads, ref[2])):
+            assert_close(a, b, dtype, f"{impl} gradient of input {i}", grad_floor(opts, i, tensors))
+    assert torch.equal(ref[1][1], tensors[-1][1]), "the empty sequence's state must not change"
+
+
+def test_packed_equals_separate_sequences():
+    opts = VARIANTS["gla"]
+    tensors = [t.detach() for t in make_inputs(1, 40, 2, 8, 4, 4, "gla", torch.float64, num_seqs=4)]
+    o_packed, s_packed = call("varlen", opts, tensors, 1, 1, CU)
+    for i in range(4):
+        a, b = int(CU[i]), int(CU[i + 1])
+        if a == b:
+            continue
+        piece = [t[:, a:b] for t in tensors[:-1]] + [tensors[-1][i:i + 1]]
+        o, s = call("recurrent", opts, piece, 1, 1)
+        assert_close(o_packed[:, a:b], o, torch.float64, f"sequence {i}")
+        assert_close(s_packed[i:i + 1], s, torch.float64, f"state {i}")
+
+
+def test_all_partitions_selected_reduces_to_gla():
+    """K = N without gates: every sparse partition is the same GLA, so SSE = GLA(shared) + N * GLA(sparse)."""
+    N, dtype = 4, torch.float64
+    opts = VARIANTS["gla-no-gate"]
+    q0, k0, g0, q1, k1, g1, v, logits, h0 = (t.detach() for t in make_inputs(2, 21, 2, 8, 4, N, "gla", dtype))
+    h0 = h0[:, :1].expand(-1, 1 + N, -1, -1, -1).contiguous()
+    for impl in ("recurrent", "mask", "varlen"):
+        o, state = call(impl, opts, [q0, k0, g0, q1, k1, g1, v, logits, h0], N, N)
+        o_shared, s_shared = recurrent_gla(q0, k0, v, g0, initial_state=h0[:, 0], output_final_state=True)
+        o_sparse, s_sparse = recurrent_gla(q1, k1, v, g1, initial_state=h0[:, 1], output_final_state=True)
+        assert_close(o, o_shared + N * o_sparse, dtype, impl)
+        assert_close(state[:, 0], s_shared, dtype, impl)
+        for i in range(1, 1 + N):
+            assert_close(state[:, i], s_sparse, dtype, f"{impl} partition {i}")
+
+
+def test_all_partitions_selected_with_gates_is_weighted_gla():
+    """K = N with write-read gates: partition i is a GLA with key p_i k and query p_i q."""
+    N, dtype = 3, torch.float64
+    q0, k0, g0, q1, k1, g1, v, logits, h0 = (t.detach() for t in make_inputs(1, 17, 2, 8, 4, N, "gla", dtype))
+    o, state = call("mask", VARIANTS["gla"], [q0, k0, g0, q1, k1, g1, v, logits, h0], N, N)
+    p = torch.softmax(logits, -1)
+    expected = recurrent_gla(q0, k0, v, g0, initial_state=h0[:, 0])[0]
+    for i in range(N):
+        w = p[..., i, None, None]
+        expected = expected + recurrent_gla(q1 * w, k1 * w, v, g1, initial_state=h0[:, 1 + i])[0]
+    assert_close(o, expected, dtype, "weighted GLA sum")
+
+
+@pytest.mark.parametrize("variant", ["gla", "gdn-key", "gdn-value"])
+def test_unselected_partitions_are_bit_identical(variant):
+    opts = VARIANTS[variant]
+    tensors = [t.detach() for t in make_inputs(2, 1, 2, 8, 4, 4, opts.transition, torch.float32)]
+    before = tensors[-1]
+    _, after = call("recurrent", opts, tensors, 1, 2)
+    chosen = route(tensors[-2], 1, 2).write_mask[:, 0]  # [B, N]
+    for b in range(2):
+        for i in range(4):
+            same = torch.equal(after[b, 1 + i], before[b, 1 + i])
+            assert same != bool(chosen[b, i]), f"batch {b} partition {i}: written={bool(chosen[b, i])}"
+
+
+def test_route_checks_k():
+    with pytest.raises(ValueError, match="num_writers"):
+        route(torch.randn(2, 3, 4), 5, 1)
