@@ -1,0 +1,111 @@
+"""Our model against flash-linear-attention's reference SSE model (fla main, carried as source).
+
+The same random fla ``SSEForCausalLM`` is saved, loaded into ours through ``load_fla_checkpoint``, and both
+run a packed batch (cu_seqlens) in training mode: logits, loss (LM + balance) and every parameter's
+gradient are compared, in float32 and bfloat16. Run on a GPU with fla main's source on the path:
+
+    PYTHONPATH=.peers/fla-main:$PWD pytest -s tests/gpu/test_fla_parity.py
+"""
+
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sse_model.fla_compat import load_fla_checkpoint
+
+from flash_attn_shim import install
+
+
+def _one_config_autotune():
+    """fla autotunes every kernel over many configs, which costs minutes of compilation per kernel on a
+    fresh machine; parity does not depend on tile choices, so keep each kernel's first config only."""
+    import triton
+
+    original = triton.autotune
+
+    def autotune(configs, *args, **kwargs):
+        return original(configs[:1], *args, **kwargs)
+
+    triton.autotune = autotune
+
+
+_one_config_autotune()
+install()
+fla_sse = pytest.importorskip("fla.models.sse", reason="needs fla main's source (fla/models/sse) on PYTHONPATH")
+
+LENGTHS = [67, 300, 13, 132]
+CASES = {
+    "pure-gla-varlen": dict(linear_attn_type="gla", sse_implementation="varlen"),
+    "pure-gla-mask": dict(linear_attn_type="gla", sse_implementation="mask"),
+    "pure-gdn-varlen": dict(linear_attn_type="gdn", sse_implementation="varlen"),
+    "pure-gdn-mask-k2": dict(linear_attn_type="gdn", sse_implementation="mask", num_writer=2, num_reader=2),
+    "hybrid-gla-varlen-conv": dict(linear_attn_type="gla", sse_implementation="varlen", use_short_conv=True,
+                                   attn={"layers": [3], "num_heads": 4, "num_kv_heads": 2}),
+    "hybrid-gdn-mask": dict(linear_attn_type="gdn", sse_implementation="mask",
+                            attn={"layers": [1, 3], "num_heads": 4}),
+}
+TOLERANCE = {  # relative L2 errors: logits, loss, median and 95th percentile of per-parameter gradients
+    torch.float32: dict(logits=5e-3, loss=1e-3, grad_median=2e-2, grad_p95=6e-2),
+    torch.bfloat16: dict(logits=3e-2, loss=1e-2, grad_median=6e-2, grad_p95=2e-1),
+}
+RESULTS = []
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def run(model, input_ids, labels, cu_seqlens):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().float(), out.loss.detach().float(), out.aux_loss.detach().float(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_fla_reference(case, dtype):
+    torch.manual_seed(0)
+    config = fla_sse.SSEConfig(hidden_size=256, num_hidden_layers=4, num_heads=2, head_dim=128, vocab_size=1024,
+                               num_sparse_partition=4, num_writer=1, num_reader=1, fuse_cross_entropy=False,
+                               **CASES[case])
+    theirs = fla_sse.SSEForCausalLM(config).cuda()
+    with tempfile.TemporaryDirectory() as tmp:
+        # what fla's save_pretrained writes; fla main's list-valued _tied_weights_keys trips transformers 5
+        theirs.config.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, f"{tmp}/model.safetensors")
+        ours = load_fla_checkpoint(tmp).cuda()
+    theirs, ours = theirs.to(dtype).train(), ours.to(dtype).train()
+
+    total = sum(LENGTHS)
+    cu_seqlens = torch.tensor([0] + LENGTHS, device="cuda").cumsum(0).to(torch.int32)
+    input_ids = torch.randint(0, 1024, (1, total), device="cuda")
+    labels = input_ids.clone()
+    labels[0, cu_seqlens[:-1].long()] = -100  # no target crosses a sequence boundary, in either model
+    ref = run(theirs, input_ids, labels, cu_seqlens)
+    got = run(ours, input_ids, labels, cu_seqlens)
+
+    missing = set(ref[3]) ^ set(got[3])
+    assert not missing, f"parameters with a gradient in only one model: {sorted(missing)[:5]}"
+    grad_errs = torch.tensor([rel(got[3][n], ref[3][n]) for n in ref[3]])
+    row = dict(case=case, dtype=str(dtype).split(".")[-1], logits=rel(got[0], ref[0]), loss=rel(got[1], ref[1]),
+               aux=f"{got[2].item():.4f}/{ref[2].item():.4f}", grad_median=grad_errs.median().item(),
+               grad_p95=grad_errs.quantile(0.95).item(), grad_max=grad_errs.max().item())
+    RESULTS.append(row)
+    print(f"\n{row}", flush=True)
+    tol = TOLERANCE[dtype]
+    for key in ("logits", "loss", "grad_median", "grad_p95"):
+        assert row[key] < tol[key], f"{case} {dtype}: {key} relative error {row[key]:.2e} >= {tol[key]:.0e}"
+
+
+def teardown_module():
+    if RESULTS:
+        print("\n| case | dtype | logits | loss | aux (ours/fla) | grad median | grad p95 | grad max |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in RESULTS:
+            print(f"| {r['case']} | {r['dtype']} | {r['logits']:.1e} | {r['loss']:.1e} | {r['aux']} | "
+                  f"{r['grad_median']:.1e} | {r['grad_p95']:.1e} | {r['grad_max']:.1e} |")
