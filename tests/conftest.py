@@ -1,5 +1,8 @@
 import os
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import pytest
 import torch
 

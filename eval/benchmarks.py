@@ -1,0 +1,125 @@
+"""The benchmark registry and problem loading (packaged JSONL, local JSONL/JSON/parquet, or a hub dataset)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    file: str
+    repeats: int  # default number of samples per problem (avg@repeats)
+    description: str
+    source: str
+    answer_field: str = "answer"
+    problem_field: str = "problem"
+    id_field: str = "id"
+
+
+# Sources and licenses: eval/data/README.md. Repeats: 32 where the sets are small and the variance large
+# (the SSE paper's AIME setting, avg@32); 4 for the larger MATH500 and OlympiadBench. Recipes override them.
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("aime24", "aime24.jsonl", 32, "AIME 2024 I and II (30)", "QwenLM/Qwen2.5-Math"),
+        Benchmark("aime25", "aime25.jsonl", 32, "AIME 2025 I and II (30)", "Zhuofeng-Li/math-evaluation-harness"),
+        Benchmark("math500", "math500.jsonl", 4, "MATH500 subset of the MATH test set (500)", "agentica-project/rllm"),
+        Benchmark("amc23", "amc23.jsonl", 32, "AMC 2023 (40)", "QwenLM/Qwen2.5-Math"),
+        Benchmark("olympiadbench", "olympiadbench.jsonl", 4, "OlympiadBench, English text-only math (675)",
+                  "QwenLM/Qwen2.5-Math"),
+        Benchmark("gsm8k", "gsm8k_test.jsonl", 1, "GSM8K test (1319)", "QwenLM/Qwen2.5-Math"),
+    )
+}
+PAPER_BENCHMARKS = ("aime24", "aime25", "math500", "amc23", "olympiadbench")
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    problem: str
+    answer: str
+
+
+def _read_records(path: Path) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: invalid JSON ({err})") from err
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records")
+        return data
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from err
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object")
+            records.append(record)
+    return records
+
+
+def _to_problems(records, where: str, problem_field: str, answer_field: str, id_field: str | None) -> list[Problem]:
+    problems = []
+    for i, record in enumerate(records):
+        for field in (problem_field, answer_field):
+            if field not in record or record[field] is None:
+                raise ValueError(f"{where}: record {i} has no field {field!r} (fields: {sorted(record)})")
+        pid = str(record.get(id_field, i)) if id_field else str(i)
+        problems.append(Problem(pid, str(record[problem_field]), str(record[answer_field])))
+    ids = [p.id for p in problems]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: problem ids are not unique")
+    return problems
+
+
+def load_problems(
+    name_or_path: str,
+    field_map: dict[str, str] | None = None,
+    limit: int | None = None,
+    split: str = "test",
+) -> list[Problem]:
+    """Problems of a registered benchmark, a local JSONL/JSON/parquet file, or a Hugging Face hub dataset.
+
+    ``field_map`` maps ``problem``/``answer``/``id`` to the source's field names, e.g.
+    ``{"problem": "question", "answer": "final_answer"}``."""
+    fields = {"problem": "problem", "answer": "answer", "id": "id", **(field_map or {})}
+    if name_or_path in BENCHMARKS:
+        bench = BENCHMARKS[name_or_path]
+        path = DATA_DIR / bench.file
+        problems = _to_problems(_read_records(path), str(path), bench.problem_field, bench.answer_field, bench.id_field)
+    elif Path(name_or_path).exists():
+        path = Path(name_or_path)
+        problems = _to_problems(_read_records(path), str(path), fields["problem"], fields["answer"], fields["id"])
+    else:
+        try:
+            import datasets
+
+            dataset = datasets.load_dataset(name_or_path, split=split)
+        except Exception as err:  # noqa: BLE001 - report what was tried
+            raise ValueError(
+                f"{name_or_path!r} is not a registered benchmark ({sorted(BENCHMARKS)}), not a local file, and "
+                f"could not be loaded from the Hugging Face hub: {err}"
+            ) from err
+        id_field = fields["id"] if fields["id"] in dataset.column_names else None
+        problems = _to_problems(dataset, name_or_path, fields["problem"], fields["answer"], id_field)
+    return problems[:limit] if limit is not None else problems
+
+
+def default_repeats(name: str) -> int:
+    return BENCHMARKS[name].repeats if name in BENCHMARKS else 1

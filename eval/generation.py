@@ -1,0 +1,72 @@
+"""Generation backends for evaluation: one interface, ``model.generate`` and the rollout engine behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The paper's evaluation sampling: temperature 1.0, top-p 0.7, up to 32k new tokens."""
+
+    temperature: float = 1.0
+    top_p: float = 0.7
+    top_k: int = 0
+    max_new_tokens: int = 32768
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    text: str
+    num_tokens: int
+    finish_reason: str  # "stop" | "length"
+
+
+class GenerationBackend(Protocol):
+    def generate(self, prompts: list[str], sampling: SamplingConfig, seeds: list[int]) -> Iterator[tuple[int, Completion]]:
+        """Yields ``(index into prompts, completion)`` as completions finish, each prompt exactly once."""
+
+
+def build_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION) -> str:
+    """The tokenizer's chat template around ``problem`` + the boxed-answer instruction."""
+    content = f"{problem}\n{instruction}" if instruction else problem
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    return content + "\n"
+
+
+class HFGenerateBackend:
+    """Batches of left-padded prompts through ``model.generate``. Each batch is seeded by its first
+    request's seed; the engine backend seeds every request on its own."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 16):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling, seeds):
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        device = next(self.model.parameters()).device
+        eos = tok.eos_token_id
+        for start in range(0, len(prompts), self.batch_size):
+            batch = prompts[start:start + self.batch_size]
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            torch.manual_seed(seeds[start])
+            kwargs = dict(do_sample=sampling.temperature > 0, max_new_tokens=sampling.max_new_tokens,
+                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos, eos_token_id=eos)
+            if sampling.temperature > 0:
+                kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+            out = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1]:]
+            for i, row in enumerate(out.tolist()):
+                stop = eos in row
+                ids = row[:row.index(eos)] if stop else row
+                yield start + i, Completion(tok.decode(ids, skip_special_tokens=True), len(ids) + int(stop),
+                                            "stop" if stop else "length")

@@ -1,0 +1,100 @@
+"""Sampling-based metrics: avg@k, unbiased pass@k, maj@k, bootstrap confidence intervals, length stats."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples is correct) from n samples with c correct:
+    ``1 - C(n - c, k) / C(n, k)`` (Chen et al., 2021), in the numerically stable product form."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def avg_at_k(correct: Sequence[Sequence[bool]]) -> float:
+    """Mean accuracy over all samples of all problems (each problem weighted equally)."""
+    return sum(sum(row) / len(row) for row in correct) / len(correct)
+
+
+def cluster_answers(answers: Sequence[str | None], equivalent: Callable[[str, str], bool] | None = None) -> list[int]:
+    """Cluster id of each answer: equal after whitespace removal, or ``equivalent`` to a cluster's first
+    member. ``None`` answers get their own cluster each (a missing answer never wins a vote)."""
+    reps: list[str] = []
+    ids = []
+    for answer in answers:
+        if answer is None:
+            ids.append(-1 - len(ids))
+            continue
+        key = "".join(answer.split())
+        for i, rep in enumerate(reps):
+            if key == rep or (equivalent is not None and equivalent(answer, rep)):
+                ids.append(i)
+                break
+        else:
+            reps.append(key)
+            ids.append(len(reps) - 1)
+    return ids
+
+
+def majority_correct(clusters: Sequence[int], correct: Sequence[bool], k: int) -> bool:
+    """maj@k for one problem: is the most frequent answer cluster among the first k samples correct?
+    Ties go to the cluster seen first."""
+    counts: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for i, cluster in enumerate(clusters[:k]):
+        if cluster < 0:
+            continue
+        counts[cluster] = counts.get(cluster, 0) + 1
+        first.setdefault(cluster, i)
+    if not counts:
+        return False
+    winner = max(counts, key=lambda c: (counts[c], -first[c]))
+    return bool(correct[first[winner]])
+
+
+def bootstrap_ci(values: Sequence[float], iterations: int = 2000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean, resampling problems."""
+    if not values:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(iterations))
+    lo = means[int(alpha / 2 * iterations)]
+    hi = means[min(iterations - 1, int((1 - alpha / 2) * iterations))]
+    return lo, hi
+
+
+def ks_for(n: int) -> list[int]:
+    """Powers of two up to n, and n itself."""
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n]
+    return ks if n in ks else ks + [n]
+
+
+def summarize(problems: list[dict], seed: int = 0) -> dict:
+    """Metrics of one benchmark. Each problem: ``{"correct": [bool]*n, "clusters": [int]*n,
+    "lengths": [int]*n, "truncated": [bool]*n}`` with the same n for all problems."""
+    n = min(len(p["correct"]) for p in problems)
+    correct = [p["correct"][:n] for p in problems]
+    per_problem = [sum(row) / n for row in correct]
+    lengths = [length for p in problems for length in p["lengths"][:n]]
+    truncated = [t for p in problems for t in p["truncated"][:n]]
+    result = {
+        "problems": len(problems),
+        "samples_per_problem": n,
+        f"avg@{n}": sum(per_problem) / len(per_problem),
+        f"avg@{n}_ci95": bootstrap_ci(per_problem, seed=seed),
+        "pass@k": {k: sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct) for k in ks_for(n)},
+        "maj@k": {k: sum(majority_correct(p["clusters"], p["correct"], k) for p in problems) / len(problems)
+                  for k in ks_for(n)},
+        "per_problem_accuracy": per_problem,
+        "mean_length": sum(lengths) / len(lengths) if lengths else 0.0,
+        "max_length": max(lengths, default=0),
+        "truncation_rate": sum(truncated) / len(truncated) if truncated else 0.0,
+    }
+    return result

@@ -1,0 +1,81 @@
+"""Evaluation reports: ``summary.json``, a markdown table (benchmarks x metrics, as the paper's Table 5),
+and a plot (accuracy per benchmark with 95% intervals, pass@k curves)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def markdown_table(summary: dict) -> str:
+    benches = summary["benchmarks"]
+    lines = ["| benchmark | problems | n | avg@n (95% CI) | pass@n | maj@n | mean len | max len | truncated |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, m in benches.items():
+        n = m["samples_per_problem"]
+        lo, hi = m[f"avg@{n}_ci95"]
+        pass_n = m["pass@k"][n] if n in m["pass@k"] else m["pass@k"][str(n)]
+        maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
+        lines.append(f"| {name} | {m['problems']} | {n} | {100 * m[f'avg@{n}']:.1f} ({100 * lo:.1f}-{100 * hi:.1f}) | "
+                     f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "
+                     f"{100 * m['truncation_rate']:.1f}% |")
+    s = summary.get("sampling", {})
+    lines.append("")
+    lines.append(f"Sampling: temperature {s.get('temperature')}, top-p {s.get('top_p')}, "
+                 f"max new tokens {s.get('max_new_tokens')}. Accuracies in %.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = summary["benchmarks"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(benches)
+    acc, err_lo, err_hi = [], [], []
+    for name in names:
+        m = benches[name]
+        n = m["samples_per_problem"]
+        lo, hi = m[f"avg@{n}_ci95"]
+        acc.append(100 * m[f"avg@{n}"])
+        err_lo.append(acc[-1] - 100 * lo)
+        err_hi.append(100 * hi - acc[-1])
+    left.bar(names, acc, yerr=[err_lo, err_hi], capsize=4, color="tab:blue")
+    left.set_ylabel("avg@n accuracy (%)")
+    left.set_title("Accuracy per benchmark (95% bootstrap CI)")
+    left.tick_params(axis="x", rotation=30)
+    for name in names:
+        ks = sorted(int(k) for k in benches[name]["pass@k"])
+        values = [100 * benches[name]["pass@k"].get(k, benches[name]["pass@k"].get(str(k))) for k in ks]
+        right.plot(ks, values, marker="o", label=name)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("k")
+    right.set_ylabel("pass@k (%)")
+    right.set_title("pass@k")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(summary: dict, output_dir: Path) -> None:
+    output_dir = Path(output_dir)
+    atomic_write(output_dir / "summary.json", json.dumps(summary, indent=2, default=float))
+    atomic_write(output_dir / "results.md", markdown_table(summary))
+    plot(summary, output_dir / "results.png")

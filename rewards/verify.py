@@ -1,0 +1,288 @@
+"""Answer verification with math-verify in a pool of worker processes with a hard per-item timeout.
+
+math-verify (sympy underneath) can hang or blow up on hostile inputs (``10^{10^{10^{10}}}``, huge factorials)
+inside C code where no signal reaches, and its own signal-based timeout only works in a main thread. So every
+comparison runs in a worker process; a worker that overruns its deadline is killed (SIGKILL) and replaced, and
+the item scores 0. Workers start from a fork server that has math-verify preloaded, so a replacement costs
+milliseconds, not an import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from multiprocessing.connection import wait
+
+from .extract import MAX_ANSWER_CHARS, clean_text, extract_answer
+
+
+def _as_latex(answer: str) -> str:
+    answer = answer.strip()
+    if "$" in answer or "\\boxed" in answer:
+        return answer
+    return "\\boxed{" + answer + "}"
+
+
+def _normalise(answer: str) -> str:
+    return "".join(answer.split()).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").rstrip(".")
+
+
+_E_NOTATION = re.compile(r"(?<![\\\w])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?![\w])")
+_THIN_SPACE_GROUPS = re.compile(r"(?<=\d)\\[,;:! ](?=\d{3}(?!\d))")
+
+
+def _canonical(answer: str) -> str:
+    """Spellings math-verify misses: currency signs, ``1.5e3``, ``1\\,000``."""
+    answer = answer.replace("\\$", "").replace("\\dollar", "")
+    answer = _E_NOTATION.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", answer)
+    return _THIN_SPACE_GROUPS.sub("", answer)
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(gold: str):
+    from math_verify import parse
+
+    return parse(_as_latex(gold), parsing_timeout=None)
+
+
+def answers_match(prediction: str, gold: str) -> bool:
+    """True if ``prediction`` is mathematically equal to ``gold`` (both answer strings, LaTeX or plain).
+
+    Runs math-verify with its own timeouts off: call it only inside a worker of :class:`VerifierPool`."""
+    if _normalise(prediction) == _normalise(gold):
+        return True
+    from math_verify import parse, verify
+
+    prediction, gold = _canonical(prediction), _canonical(gold)
+    candidates = [(prediction, gold)]
+    if "%" in prediction or "%" in gold:  # "12.5\\%" vs "12.5": also compare without the percent sign
+        candidates.append(tuple(x.replace("\\%", "").replace("%", "") for x in (prediction, gold)))
+    for pred, ref in candidates:
+        gold_parsed = _parse_gold(ref)
+        pred_parsed = parse(_as_latex(pred), parsing_timeout=None)
+        if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None):
+            return True
+    return False
+
+
+def _worker_main(conn) -> None:
+    """Worker loop: ``(job, prediction, gold)`` in, ``(job, correct, error)`` out; ``None`` stops it."""
+    import logging
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled": the pool enforces it
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        job, prediction, gold = message
+        try:
+            conn.send((job, answers_match(prediction, gold), None))
+        except BaseException as err:  # noqa: BLE001 - any failure of one item scores 0, the worker lives on
+            try:
+                conn.send((job, False, f"{type(err).__name__}: {str(err)[:200]}"))
+            except (OSError, ValueError):
+                return
+
+
+@dataclass
+class Verdict:
+    correct: bool
+    status: str  # ok | no_answer | too_long | timeout | crash | error
+    seconds: float = 0.0  # from dispatch to a worker until the verdict
+
+
+@dataclass
+class VerifyStats:
+    """What one batch of verification cost and what went wrong."""
+
+    items: int = 0
+    seconds: float = 0.0
+    timeouts: int = 0
+    crashes: int = 0
+    errors: int = 0
+    no_answer: int = 0
+    too_long: int = 0
+    unique_pairs: int = 0
+    correct: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self, prefix: str = "") -> dict:
+        keys = ("items", "seconds", "timeouts", "crashes", "errors", "no_answer", "too_long", "unique_pairs", "correct")
+        return {f"{prefix}{k}": getattr(self, k) for k in keys}
+
+
+class _Worker:
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+        finally:
+            self.process.join(timeout=5)
+            self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.conn.close()
+
+
+class VerifierPool:
+    """A fixed set of verifier processes. ``map`` checks many (prediction, gold) pairs in parallel, each
+    within ``timeout`` seconds of wall time or scored 0; it never raises for any input."""
+
+    def __init__(self, num_workers: int | None = None, timeout: float = 5.0, start_method: str = "forkserver"):
+        self.timeout = timeout
+        self.num_workers = num_workers or max(1, min(8, (os.cpu_count() or 2)))
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self._ctx.set_forkserver_preload([__name__, "math_verify"])
+        self._workers = [_Worker(self._ctx) for _ in range(self.num_workers)]
+        self.restarts = 0
+        atexit.register(self.close)
+
+    def map(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
+        if not self._workers:
+            raise RuntimeError("the verifier pool is closed")
+        results: list[Verdict | None] = [None] * len(pairs)
+        pending = deque(range(len(pairs)))
+        idle = list(range(len(self._workers)))
+        busy: dict[int, tuple[int, float]] = {}  # worker index -> (job, deadline)
+        started: dict[int, float] = {}
+        while pending or busy:
+            while pending and idle:
+                w, job = idle.pop(), pending.popleft()
+                try:
+                    started[job] = time.monotonic()
+                    self._workers[w].conn.send((job, *pairs[job]))
+                    busy[w] = (job, started[job] + self.timeout)
+                except (OSError, ValueError):
+                    results[job] = Verdict(False, "crash")
+                    self._replace(w)
+                    idle.append(w)
+            if not busy:
+                continue
+            next_deadline = min(deadline for _, deadline in busy.values())
+            conns = {self._workers[w].conn: w for w in busy}
+            for conn in wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
+                w = conns[conn]
+                job = busy.pop(w)[0]
+                try:
+                    got_job, correct, error = conn.recv()
+                    assert got_job == job
+                    results[job] = Verdict(bool(correct), "error" if error else "ok", time.monotonic() - started[job])
+                except (EOFError, OSError, AssertionError):
+                    results[job] = Verdict(False, "crash", time.monotonic() - started[job])
+                    self._replace(w)
+                idle.append(w)
+            now = time.monotonic()
+            for w, (job, deadline) in list(busy.items()):
+                if now >= deadline:
+                    del busy[w]
+                    results[job] = Verdict(False, "timeout", now - started[job])
+                    self._replace(w)
+                    idle.append(w)
+        return results  # type: ignore[return-value]
+
+    def _replace(self, w: int) -> None:
+        self._workers[w].kill()
+        self._workers[w] = _Worker(self._ctx)
+        self.restarts += 1
+
+    def alive(self) -> int:
+        return sum(worker.process.is_alive() for worker in self._workers)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class MathVerifier:
+    """Completions and ground-truth answers in, 1/0 scores and :class:`VerifyStats` out.
+
+    Extraction runs here (bounded, never raises); only extracted answers go to the pool, and identical
+    (answer, gold) pairs of one call are verified once, which matters with 8 rollouts per prompt."""
+
+    def __init__(self, pool: VerifierPool | None = None, strict: bool = False, max_answer_chars: int = MAX_ANSWER_CHARS,
+                 **pool_kwargs):
+        self.pool = pool or VerifierPool(**pool_kwargs)
+        self.strict = strict
+        self.max_answer_chars = max_answer_chars
+
+    def score(self, completions: list, golds: list) -> tuple[list[float], VerifyStats, list[str | None]]:
+        if len(completions) != len(golds):
+            raise ValueError(f"{len(completions)} completions but {len(golds)} ground-truth answers")
+        start = time.perf_counter()
+        stats = VerifyStats(items=len(completions))
+        answers = [extract_answer(text, strict=self.strict) for text in completions]
+        verdicts: list[Verdict | None] = [None] * len(completions)
+        unique: dict[tuple[str, str], list[int]] = {}
+        for i, (answer, gold) in enumerate(zip(answers, golds)):
+            if answer is None or not answer.strip():
+                verdicts[i] = Verdict(False, "no_answer")
+            elif len(answer) > self.max_answer_chars:
+                verdicts[i] = Verdict(False, "too_long")
+            else:
+                unique.setdefault((answer, clean_text(gold)), []).append(i)
+        keys = list(unique)
+        for key, verdict in zip(keys, self.pool.map(keys)):
+            for i in unique[key]:
+                verdicts[i] = verdict
+        self.last_verdicts = verdicts
+        for verdict in verdicts:
+            stats.correct += verdict.correct
+            if verdict.status == "timeout":
+                stats.timeouts += 1
+            elif verdict.status == "crash":
+                stats.crashes += 1
+            elif verdict.status == "error":
+                stats.errors += 1
+            elif verdict.status == "no_answer":
+                stats.no_answer += 1
+            elif verdict.status == "too_long":
+                stats.too_long += 1
+        stats.unique_pairs = len(keys)
+        stats.seconds = time.perf_counter() - start
+        return [float(v.correct) for v in verdicts], stats, answers
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+_DEFAULT: MathVerifier | None = None
+
+
+def default_verifier() -> MathVerifier:
+    """The process-wide verifier that reward functions share (created on first use)."""
+    global _DEFAULT
+    if _DEFAULT is None or not _DEFAULT.pool._workers:
+        _DEFAULT = MathVerifier()
+    return _DEFAULT

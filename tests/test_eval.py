@@ -1,0 +1,104 @@
+"""Evaluation: metrics against hand-computed values, problem loading, and a resumable end-to-end run."""
+
+import json
+from math import comb
+
+import pytest
+import torch
+
+from eval import SamplingConfig, evaluate, load_problems, pass_at_k
+from eval.generation import HFGenerateBackend
+from eval.metrics import avg_at_k, bootstrap_ci, cluster_answers, majority_correct, summarize
+from pipeline.tokenizer import build_char_tokenizer
+from rewards import MathVerifier, VerifierPool
+from sse_model import SSEConfig, SSEForCausalLM
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 32])
+def test_pass_at_k_is_the_combinatorial_estimator(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            expected = 1 - comb(n - c, k) / comb(n, k)
+            assert abs(pass_at_k(n, c, k) - expected) < 1e-12, (n, c, k)
+
+
+def test_hand_computed_metrics():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert avg_at_k([[True, False], [True, True]]) == pytest.approx(0.75)
+    clusters = cluster_answers(["1/2", "0.5", "3", " 3 ", None], equivalent=lambda a, b: {a, b} == {"1/2", "0.5"})
+    assert clusters[:4] == [0, 0, 1, 1] and clusters[4] < 0
+    # votes: "3" twice (wrong), "1/2" = "0.5" twice (right); tie -> first seen cluster wins
+    assert majority_correct(clusters, [True, True, False, False, False], k=4)
+    assert not majority_correct([0, 1, 1], [True, False, False], k=3)
+    assert majority_correct([0, 1, 1], [True, False, False], k=1)
+    lo, hi = bootstrap_ci([0.0, 1.0] * 50)
+    assert lo < 0.5 < hi and hi - lo < 0.25
+    summary = summarize([{"correct": [True, False], "clusters": [0, 1], "lengths": [10, 20], "truncated": [False, True]},
+                         {"correct": [False, False], "clusters": [0, 0], "lengths": [5, 5], "truncated": [False, False]}])
+    assert summary["avg@2"] == pytest.approx(0.25) and summary["pass@k"][2] == pytest.approx(0.5)
+    assert summary["maj@k"][1] == pytest.approx(0.5) and summary["truncation_rate"] == pytest.approx(0.25)
+    assert summary["mean_length"] == pytest.approx(10) and summary["max_length"] == 20
+
+
+def test_problem_loading(tmp_path):
+    assert len(load_problems("aime24")) == 30 and len(load_problems("olympiadbench")) == 675
+    assert len(load_problems("math500", limit=7)) == 7
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"q": "1+1?", "final": "2", "uid": "a"}\n{"q": "2+2?", "final": 4, "uid": "b"}\n')
+    problems = load_problems(str(path), field_map={"problem": "q", "answer": "final", "id": "uid"})
+    assert [(p.id, p.answer) for p in problems] == [("a", "2"), ("b", "4")]
+    path.write_text('{"q": "1+1?", "final": "2"}\n{broken\n')
+    with pytest.raises(ValueError, match="mine.jsonl:2"):
+        load_problems(str(path), field_map={"problem": "q", "answer": "final"})
+    path.write_text('{"question": "1+1?"}\n')
+    with pytest.raises(ValueError, match="no field 'problem'"):
+        load_problems(str(path))
+    with pytest.raises(ValueError, match="not a registered benchmark"):
+        load_problems("no/such-dataset-offline")
+
+
+class Interrupting:
+    """Wraps a backend and dies after ``limit`` generations, as a killed run would."""
+
+    def __init__(self, backend, limit):
+        self.backend, self.limit, self.count = backend, limit, 0
+
+    def generate(self, prompts, sampling, seeds):
+        for item in self.backend.generate(prompts, sampling, seeds):
+            if self.count == self.limit:
+                raise KeyboardInterrupt("simulated interruption")
+            self.count += 1
+            yield item
+
+
+def test_end_to_end_eval_resumes(tmp_path):
+    torch.manual_seed(0)
+    tokenizer = build_char_tokenizer()
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+    model = SSEForCausalLM(config).eval()
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.7)
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    backend = HFGenerateBackend(model, tokenizer, batch_size=4)
+    kw = dict(benchmarks=["aime24", "amc23"], n=3, limit=2, sampling=sampling, output_dir=tmp_path,
+              verifier=verifier, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(model, tokenizer, backend=Interrupting(backend, limit=5), **kw)
+    with (tmp_path / "generations" / "aime24.jsonl").open("a") as handle:
+        handle.write('{"benchmark": "aime24", "problem_id": "torn')  # a write cut off by the kill
+    counting = Interrupting(backend, limit=10**9)
+    summary = evaluate(model, tokenizer, backend=counting, **kw)
+    verifier.close()
+    assert counting.count == 12 - 5, "only the missing generations are produced on resume"
+    for name in ("aime24", "amc23"):
+        records = [json.loads(line) for line in (tmp_path / "generations" / f"{name}.jsonl").read_text().splitlines()]
+        assert sorted((r["problem_id"], r["sample"]) for r in records) == sorted(
+            (p.id, s) for p in load_problems(name, limit=2) for s in range(3))
+        metrics = summary["benchmarks"][name]
+        assert metrics["samples_per_problem"] == 3 and 0.0 <= metrics["avg@3"] <= 1.0
+        assert metrics["max_length"] <= 6
+    assert json.loads((tmp_path / "summary.json").read_text())["benchmarks"].keys() == {"aime24", "amc23"}
+    assert "| aime24 | 2 | 3 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "results.png").stat().st_size > 1000

@@ -1,0 +1,126 @@
+"""Rewards: labelled verdicts, adversarial inputs under a hard timeout, TRL-style reward functions."""
+
+import multiprocessing as mp
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+from reward_cases import CASES  # noqa: E402
+
+from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool  # noqa: E402
+from rewards.extract import extract_answer, last_boxed  # noqa: E402
+
+TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = MathVerifier(pool=VerifierPool(num_workers=2, timeout=TIMEOUT))
+    yield v
+    v.close()
+
+
+def test_labelled_cases(verifier):
+    assert len(CASES) >= 150
+    scores, stats, answers = verifier.score([c[1] for c in CASES], [c[2] for c in CASES])
+    wrong = [(c[0], c[1][-50:], c[2], c[3], a) for c, s, a in zip(CASES, scores, answers) if bool(s) != c[3]]
+    assert not wrong, f"{len(wrong)} disagreements: {wrong[:10]}"
+    assert stats.timeouts == 0 and stats.crashes == 0
+
+
+def adversarial_inputs():
+    items = []
+    for n in (10, 100, 1000, 10_000, 100_000):
+        items.append(("\\boxed{" + "{" * n + "1" + "}" * n + "}", "1"))
+        items.append(("\\boxed{" + "\\frac{" * n + "1", "1"))
+        items.append(("{" * n + "\\boxed{2}", "2"))
+    towers = ["10^{10^{10^{10}}}", "9^{9^{9^{9}}}", "2^{2^{2^{2^{2^{2}}}}}", "(10^{100})^{10^{100}}",
+              "1000000!", "(10^{10})!", "100!!!!", "10^{10^{10}}!", "\\prod_{k=1}^{10^9} k",
+              "\\sum_{n=1}^{10^{12}} n^2", "x^{x^{x^{x^{x}}}}", "e^{e^{e^{e^{100}}}}", "\\binom{10^{9}}{10^{8}}",
+              "9" * 5000, "1e100000", "10^{-10^{10}}", "\\sqrt[10^{10}]{2}", "\\int_0^1 e^{x^{x^x}} dx",
+              "\\lim_{x\\to0} \\frac{\\sin(x^{x^x})}{x}", "\\frac{10^{10^{5}}}{10^{10^{5}}+1}"]
+    for t in towers:
+        items.append((f"Thus \\boxed{{{t}}}", "5"))
+        items.append(("\\boxed{5}", t))
+        items.append((f"\\boxed{{{t}}}", t))
+        items.append((f"The final answer is ${t}$", t))
+    rng = random.Random(0)
+    tokens = ["\\frac", "{", "}", "^", "_", "\\sqrt", "10", "x", "!", "\\left(", "\\right)", "\\cdot", "9", "\\\\",
+              "&", "$", "\\boxed", "\\infty", "e", "i", "\\pi", "(", ")", "[", "]", ",", "-", "+", "/", "%"]
+    for _ in range(30):
+        garbage = "".join(rng.choice(tokens) for _ in range(rng.randint(5, 400)))
+        items.append((f"\\boxed{{{garbage}}}", garbage[::-1]))
+    for big in ("1" * 100_000, "x+" * 50_000, "\\frac{1}{2}" * 10_000, "a" * 150_000):
+        items.append((f"\\boxed{{{big}}}", "1"))
+        items.append((big, "1"))
+        items.append(("\\boxed{1}", big))
+    invalid = ["\\frac{", "\\begin{pmatrix", "}}}{{{", "\\sqrt[", "\\left(", "$$$", "\\boxed{\\boxed{\\boxed{",
+               "\\end{matrix}", "^^^^", "_{_{_{", "\\\\\\\\\\\\", "\\frac{1}{0}", "0/0", "\\infty - \\infty",
+               "\\text{", "\\mathrm{\\mathrm{", "&&&", "\\begin{pmatrix}1&2\\\\3\\end{pmatrix}", "1/(x-x)",
+               "\\log(0)", "\\sqrt{-1}^{i^{i}}", "\\{\\{\\{\\}", "(((((", "]]]", "\\undefinedmacro{3}"]
+    for t in invalid:
+        items.append((f"\\boxed{{{t}}}", "3"))
+        items.append(("\\boxed{3}", t))
+    binary = [b"\xff\xfe\\boxed{3}", b"\\boxed{\xc3\x28}", bytes(range(256)), b"\x00" * 1000,
+              "\\boxed{1\x002}", "\x00\\boxed{4}", "\ud800\\boxed{5}", "\\boxed{\u202e321}", "\\boxed{١٢٣}",
+              "\\boxed{😀}", "\\boxed{\u200b7}", "\\boxed{" + "\u0301" * 1000 + "}"]
+    for t in binary:
+        items.append((t, "3"))
+        items.append((t, "\x00"))
+    many_boxes = "\\boxed{1}" * 10_000
+    items += [(many_boxes, "1"), ("\\boxed{" * 50_000, "1"), ("}" * 100_000, "1"), ("", ""), (None, "1")]
+    matrix = "\\begin{pmatrix}" + "\\\\".join("&".join(["x"] * 40) for _ in range(40)) + "\\end{pmatrix}"
+    items += [(f"\\boxed{{{matrix}}}", matrix), (f"\\boxed{{{matrix}}}", "1")]
+    return items
+
+
+def test_adversarial_inputs_are_bounded_and_harmless(verifier):
+    items = adversarial_inputs()
+    assert len(items) >= 200
+    scores, stats, _ = verifier.score([i[0] for i in items], [i[1] for i in items])
+    assert all(s in (0.0, 1.0) for s in scores)
+    slow = [v.seconds for v in verifier.last_verdicts if v.seconds > TIMEOUT + 1.0]
+    assert not slow, f"{len(slow)} items exceeded timeout + 1 s: {slow[:5]}"
+    assert verifier.pool.alive() == verifier.pool.num_workers, "the pool must survive"
+    # and it still works afterwards
+    assert verifier.score(["\\boxed{\\frac{1}{2}}"], ["0.5"])[0] == [1.0]
+
+
+def test_workers_do_not_leak():
+    before = set(p.pid for p in mp.active_children())
+    pool = VerifierPool(num_workers=2, timeout=1.0)
+    verifier = MathVerifier(pool=pool)
+    verifier.score(["\\boxed{10^{10^{10^{10}}}}", "\\boxed{2}"], ["1", "2"])
+    assert pool.restarts >= 1
+    pool.close()
+    leftover = [p for p in mp.active_children() if p.pid not in before and p.name != "ForkServerProcess"]
+    assert not leftover, leftover
+
+
+def test_extraction():
+    assert last_boxed("a \\boxed{1} b \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"
+    assert last_boxed("\\boxed{x} and \\boxed{unclosed") == "x"
+    assert extract_answer("The final answer is $\\frac{1}{2}$.") == "\\frac{1}{2}"
+    assert extract_answer("The final answer is 7", strict=True) is None
+    assert extract_answer("no answer here") is None
+
+
+def test_trl_reward_functions(verifier):
+    acc = AccuracyReward(verifier)
+    completions = ["Step one. \\boxed{4}", [{"role": "assistant", "content": "So \\boxed{5}"}], "I give up"]
+    assert acc(prompts=["p"] * 3, completions=completions, answer=["4", "4", "4"]) == [1.0, 0.0, 0.0]
+    assert acc.last_stats.no_answer == 1 and acc.last_stats.items == 3
+    with pytest.raises(KeyError, match="answer"):
+        acc(prompts=["p"], completions=["\\boxed{1}"])
+    fmt = FormatReward(min_reasoning_chars=10)
+    assert fmt(completions=["2+2 is computed as four: \\boxed{4}", "\\boxed{4}", "long reasoning but no box"]) == \
+        [1.0, 0.0, 0.0]
+    think = FormatReward(min_reasoning_chars=5, think_tag="think")
+    assert think(completions=["<think>2+2=4</think> so \\boxed{4}", "<think>2+2=4 so \\boxed{4}"]) == [1.0, 0.0]
+    over = OverlongPenalty(max_length=100, cache_length=20)
+    assert over(completions=["a"] * 4, completion_ids=[[0] * 50, [0] * 80, [0] * 90, [0] * 120]) == [0.0, 0.0, -0.5, -1.0]
+    with pytest.raises(ValueError):
+        OverlongPenalty(10, 20)
