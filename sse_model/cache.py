@@ -1,4 +1,20 @@
-"""The hybrid generation cache: a fixed-size state per linear layer, a KV cache per softmax layer."""
+"""Generation caches: a fixed-size state per linear layer, a KV cache per softmax layer.
+
+Two implementations of one protocol, which the layers use and nothing else:
+
+- :class:`SSEHybridCache`: batch-major, grows with the batch (``model.generate``);
+- :class:`SlotCache`: preallocated pools of ``max_slots`` rows that a rollout engine fills, forks and frees;
+  each forward works on the rows named by ``slots``, and linear layers update their rows in place.
+
+Protocol (``cache`` below is either):
+    ``cache.query_index(T)``            [B|1, T] cache coordinate of each new token (for causal masking)
+    ``cache.rope_positions(T)``         [B|1, T] RoPE positions of the new tokens when no mask says otherwise
+    ``cache.read_linear(i)``            the :class:`LinearLayerState` of the current rows (None entries: zeros)
+    ``cache.write_linear(i, state)``    store it back
+    ``cache.linear_pool(i)``            ``(pool, slots)`` for in-place decode kernels, or None
+    ``cache.attend(i, k, v)``           append keys/values; returns ``(keys, values, key_index, key_valid)``
+    ``cache.advance(T)``                after the forward: T more tokens seen
+"""
 
 from __future__ import annotations
 
@@ -25,15 +41,6 @@ class AttentionLayerCache:
     values: torch.Tensor | None = None
     window: int | None = None
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends the new keys and values; returns everything the current queries may attend to."""
-        if self.keys is not None:
-            keys = torch.cat([self.keys, keys], dim=2)
-            values = torch.cat([self.values, values], dim=2)
-        keep = keys.shape[2] if self.window is None else min(keys.shape[2], self.window - 1)
-        self.keys, self.values = keys[:, :, keys.shape[2] - keep:], values[:, :, values.shape[2] - keep:]
-        return keys, values
-
     @property
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
@@ -41,11 +48,8 @@ class AttentionLayerCache:
 
 @dataclass
 class SSEHybridCache:
-    """Generation cache of :class:`~sse_model.SSEForCausalLM`.
-
-    ``seen_tokens`` counts every position processed so far (left padding included); attention masks and
-    RoPE positions are expressed in that coordinate. The memory of a linear layer does not grow with it.
-    """
+    """Batch-major cache for ``model.generate``. ``seen_tokens`` counts every position processed so far
+    (left padding included): that is the cache coordinate. The linear layers' memory does not grow."""
 
     layers: list[LinearLayerState | AttentionLayerCache] = field(default_factory=list)
     seen_tokens: int = 0
@@ -60,7 +64,36 @@ class SSEHybridCache:
                 layers.append(LinearLayerState())
         return cls(layers)
 
-    # transformers' cache protocol, as far as ``generate`` uses it
+    # -- protocol ----------------------------------------------------------------------------------
+    def query_index(self, T: int, device=None) -> torch.Tensor:
+        return torch.arange(self.seen_tokens, self.seen_tokens + T, device=device)[None]
+
+    rope_positions = query_index
+
+    def read_linear(self, layer_idx: int) -> LinearLayerState:
+        return self.layers[layer_idx]
+
+    def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
+        self.layers[layer_idx] = state
+
+    def linear_pool(self, layer_idx: int):
+        return None
+
+    def attend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        layer = self.layers[layer_idx]
+        first = self.seen_tokens - layer.length
+        if layer.keys is not None:
+            keys = torch.cat([layer.keys, keys], dim=2)
+            values = torch.cat([layer.values, values], dim=2)
+        keep = keys.shape[2] if layer.window is None else min(keys.shape[2], layer.window - 1)
+        layer.keys, layer.values = keys[:, :, keys.shape[2] - keep:], values[:, :, values.shape[2] - keep:]
+        key_index = torch.arange(first, first + keys.shape[2], device=keys.device)[None]
+        return keys, values, key_index, None
+
+    def advance(self, T: int) -> None:
+        self.seen_tokens += T
+
+    # -- transformers' generate --------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
@@ -90,3 +123,137 @@ class SSEHybridCache:
                 [layer.recurrent, *(layer.conv or ())]
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total
+
+
+def linear_state_shapes(config, kind: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """Per-row shapes of a linear layer's recurrent state and of one short-convolution cache."""
+    H, K, V = config.num_heads, config.head_dim, config.head_v_dim
+    recurrent = (1 + config.num_sparse_partitions, H, K, V) if kind == "sse" else (H, K, V)
+    conv = (H * K, config.conv_size) if config.use_short_conv else None
+    return recurrent, conv
+
+
+class SlotCache:
+    """Preallocated state pools for a rollout engine.
+
+    Linear layers: ``[max_slots, ...state]`` in float32. Softmax layers: ``[max_slots, H_kv, max_len, D]``
+    keys and values in the model dtype (``max_len`` = the window for ``swa`` layers, which write
+    round-robin). ``lengths[s]`` is the number of tokens slot ``s`` holds. Set ``slots`` (a LongTensor of
+    rows) before each forward; padding rows may repeat a slot marked ``-1`` in ``lengths`` (graph buckets).
+    """
+
+    def __init__(self, config, max_slots: int, max_len: int, device, dtype, state_dtype=torch.float32):
+        self.config, self.max_slots, self.max_len = config, max_slots, max_len
+        self.linear: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.windows: dict[int, int | None] = {}
+        for i, kind in enumerate(config.mixer_types):
+            if kind in ("attn", "swa"):
+                window = config.sliding_window if kind == "swa" else None
+                length = min(max_len, window) if window else max_len
+                shape = (max_slots, config.num_key_value_heads, length, config.attn_head_dim)
+                self.keys[i] = torch.zeros(shape, device=device, dtype=dtype)
+                self.values[i] = torch.zeros(shape, device=device, dtype=dtype)
+                self.windows[i] = window
+            else:
+                recurrent, conv = linear_state_shapes(config, kind)
+                self.linear[i] = torch.zeros((max_slots, *recurrent), device=device, dtype=state_dtype)
+                if conv is not None:
+                    self.conv[i] = tuple(torch.zeros((max_slots, *conv), device=device, dtype=dtype) for _ in range(2))
+        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.slots = torch.zeros(1, dtype=torch.long, device=device)
+
+    @staticmethod
+    def bytes_per_slot(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32) -> int:
+        """Memory one slot needs: its linear states plus KV for ``max_len`` tokens."""
+        total = 0
+        item = torch.tensor([], dtype=dtype).element_size()
+        for kind in config.mixer_types:
+            if kind in ("attn", "swa"):
+                length = min(max_len, config.sliding_window) if kind == "swa" else max_len
+                total += 2 * config.num_key_value_heads * length * config.attn_head_dim * item
+            else:
+                recurrent, conv = linear_state_shapes(config, kind)
+                total += torch.Size(recurrent).numel() * torch.tensor([], dtype=state_dtype).element_size()
+                if conv is not None:
+                    total += 2 * torch.Size(conv).numel() * item
+        return total
+
+    # -- slot management ---------------------------------------------------------------------------
+    def reset(self, slots: torch.Tensor) -> None:
+        """Empties ``slots`` (lengths to 0, states to zero)."""
+        for pool in self.linear.values():
+            pool[slots] = 0
+        for pair in self.conv.values():
+            for pool in pair:
+                pool[slots] = 0
+        self.lengths[slots] = 0
+
+    def fork(self, source: int, targets: torch.Tensor) -> None:
+        """Copies slot ``source`` (states, KV prefix, length) into every slot of ``targets``."""
+        for pool in self.linear.values():
+            pool[targets] = pool[source]
+        for pair in self.conv.values():
+            for pool in pair:
+                pool[targets] = pool[source]
+        length = int(self.lengths[source])
+        for i in self.keys:
+            n = min(length, self.keys[i].shape[2])
+            self.keys[i][targets, :, :n] = self.keys[i][source, :, :n]
+            self.values[i][targets, :, :n] = self.values[i][source, :, :n]
+        self.lengths[targets] = length
+
+    # -- protocol ----------------------------------------------------------------------------------
+    def query_index(self, T: int, device=None) -> torch.Tensor:
+        return self.lengths[self.slots][:, None] + torch.arange(T, device=self.lengths.device)[None]
+
+    rope_positions = query_index
+
+    def read_linear(self, layer_idx: int) -> LinearLayerState:
+        conv = self.conv.get(layer_idx)
+        return LinearLayerState(self.linear[layer_idx][self.slots],
+                                None if conv is None else tuple(c[self.slots] for c in conv))
+
+    def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
+        self.linear[layer_idx][self.slots] = state.recurrent.to(self.linear[layer_idx].dtype)
+        if state.conv is not None:
+            for pool, value in zip(self.conv[layer_idx], state.conv):
+                pool[self.slots] = value.to(pool.dtype)
+
+    def linear_pool(self, layer_idx: int):
+        return self.linear[layer_idx], self.slots
+
+    def attend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        """Stores the new keys/values of each row; returns what the new queries may attend to.
+
+        Full layers write at positions ``lengths .. lengths + T`` and attend to their rows' whole buffers.
+        Window layers keep a round-robin buffer of ``window`` entries: the queries see the buffer as it was
+        plus the new tokens, and only the last ``window`` new tokens are written back."""
+        B, _, T, _ = keys.shape
+        pool_k, pool_v = self.keys[layer_idx], self.values[layer_idx]
+        capacity = pool_k.shape[2]
+        start = self.lengths[self.slots][:, None]  # [B, 1]
+        new_index = start + torch.arange(T, device=keys.device)[None]  # [B, T]
+        entries = torch.arange(capacity, device=keys.device)[None]
+        new_k, new_v = keys.transpose(1, 2).to(pool_k.dtype), values.transpose(1, 2).to(pool_v.dtype)
+        if self.windows[layer_idx] is None:
+            rows = self.slots[:, None].expand(B, T)
+            pool_k[rows, :, new_index] = new_k
+            pool_v[rows, :, new_index] = new_v
+            key_index = entries.expand(B, -1)
+            return pool_k[self.slots], pool_v[self.slots], key_index, key_index < start + T
+        old_index = start - 1 - ((start - 1 - entries) % capacity)  # latest position held by each entry
+        keys_all = torch.cat([pool_k[self.slots], new_k.transpose(1, 2)], dim=2)
+        values_all = torch.cat([pool_v[self.slots], new_v.transpose(1, 2)], dim=2)
+        key_index = torch.cat([old_index, new_index], dim=1)
+        valid = torch.cat([old_index >= 0, torch.ones_like(new_index, dtype=torch.bool)], dim=1)
+        keep = min(T, capacity)
+        rows = self.slots[:, None].expand(B, keep)
+        pool_k[rows, :, new_index[:, T - keep:] % capacity] = new_k[:, T - keep:]
+        pool_v[rows, :, new_index[:, T - keep:] % capacity] = new_v[:, T - keep:]
+        return keys_all, values_all, key_index, valid
+
+    def advance(self, T: int) -> None:
+        self.lengths[self.slots] += T

@@ -16,7 +16,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
 
-from .cache import SSEHybridCache
+from .cache import SlotCache, SSEHybridCache
 from .configuration_sse import SSEConfig
 from .layers.attention import SoftmaxAttention
 from .layers.common import ForwardContext
@@ -132,15 +132,15 @@ class SSEModel(SSEPreTrainedModel):
                 raise ValueError("packed sequences (cu_seqlens) cannot be cached; pass use_cache=False")
             use_cache = False
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        if past_key_values is not None and not isinstance(past_key_values, SSEHybridCache):
+        if past_key_values is not None and not isinstance(past_key_values, (SSEHybridCache, SlotCache)):
             raise TypeError(
-                f"past_key_values must be an SSEHybridCache, got {type(past_key_values).__name__}; "
+                f"past_key_values must be an SSEHybridCache or SlotCache, got {type(past_key_values).__name__}; "
                 "leave it unset and the model creates one"
             )
         cache = past_key_values if past_key_values is not None else (
             SSEHybridCache.for_config(self.config) if use_cache else None
         )
-        past = cache.seen_tokens if cache is not None else 0
+        past = cache.seen_tokens if isinstance(cache, SSEHybridCache) else 0
 
         key_mask = token_mask = None
         if attention_mask is not None:
@@ -155,6 +155,8 @@ class SSEModel(SSEPreTrainedModel):
             else:
                 token_mask = key_mask[:, -T:]
 
+        query_index = cache.query_index(T, hidden.device) if cache is not None else \
+            torch.arange(T, device=hidden.device)[None]
         if position_ids is None:
             if key_mask is not None:
                 position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
@@ -163,11 +165,11 @@ class SSEModel(SSEPreTrainedModel):
                 starts = cu_seqlens.long()[torch.searchsorted(cu_seqlens.long()[1:], pos, right=True)]
                 position_ids = (pos - starts)[None]
             else:
-                position_ids = torch.arange(past, past + T, device=hidden.device)[None].expand(B, T)
+                position_ids = query_index.expand(B, T)
         elif position_ids.shape[-1] != T:
             position_ids = position_ids[..., -T:]
 
-        ctx = ForwardContext(position_ids, token_mask, key_mask, cu_seqlens, cache, past)
+        ctx = ForwardContext(position_ids, query_index, token_mask, key_mask, cu_seqlens, cache)
         all_hidden = () if output_hidden_states else None
         aux_losses = []
         for layer in self.layers:
@@ -180,7 +182,7 @@ class SSEModel(SSEPreTrainedModel):
         if output_hidden_states:
             all_hidden += (hidden,)
         if cache is not None:
-            cache.seen_tokens += T
+            cache.advance(T)
         out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache, hidden_states=all_hidden)
         out.aux_loss = torch.stack(aux_losses).sum() if aux_losses else None
         return out

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from conftest import assert_close
+from helpers import assert_close
 from sse_model.convert import convert_to_sse
 
 SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -35,7 +35,7 @@ def test_kept_attention_layers_compute_the_same(kind, tmp_path):
     with torch.no_grad():
         expected = src_layer.self_attn(hidden, position_embeddings=cos_sin, attention_mask=None)[0]
         from sse_model.layers.common import ForwardContext
-        got = our_layer.attn(hidden, ForwardContext(position_ids))[0]
+        got = our_layer.attn(hidden, ForwardContext(position_ids, torch.arange(11)[None]))[0]
     assert_close(got, expected, torch.float32, f"{kind} attention layer")
     for name in ("attn_norm", "mlp_norm"):
         assert torch.equal(getattr(our_layer, name).weight,

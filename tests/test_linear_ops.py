@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
+from helpers import assert_close
 from sse_model.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from sse_model.ops.gla import chunk_gla, recurrent_gla
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import assert_close
+from helpers import assert_close
 from sse_model import SSEConfig, SSEForCausalLM, SSEHybridCache
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
+from helpers import assert_close
 from sse_model.ops.dispatch import torch_linear_op
 from sse_model.ops.gla import recurrent_gla
 from sse_model.ops.sse import Branch, SSEOptions, route, sse_masked, sse_recurrent, sse_varlen

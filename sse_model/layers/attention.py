@@ -39,13 +39,12 @@ class SoftmaxAttention(nn.Module):
         q, k = self.rotary(q, k, ctx.position_ids)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
 
-        first_key = ctx.past_length
         if ctx.cache is not None:
-            layer_cache = ctx.cache[self.layer_idx]
-            first_key = ctx.past_length - layer_cache.length
-            k, v = layer_cache.update(k, v)
+            k, v, key_index, key_valid = ctx.cache.attend(self.layer_idx, k, v)
+        else:
+            key_index, key_valid = ctx.query_index, None
 
-        mask = self._mask(ctx, T, first_key, k.shape[2], q.device)
+        mask = self._mask(ctx, key_index, key_valid)
         o = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=mask,
@@ -55,22 +54,26 @@ class SoftmaxAttention(nn.Module):
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(o), None
 
-    def _mask(self, ctx: ForwardContext, T: int, first_key: int, num_keys: int, device) -> torch.Tensor | None:
-        """Boolean ``[B or 1, 1, T, num_keys]`` mask, or None where plain causal attention is exact."""
-        simple = ctx.key_mask is None and ctx.cu_seqlens is None and (self.window is None or num_keys <= self.window)
-        if simple and (num_keys == T or T == 1):
+    def _mask(self, ctx: ForwardContext, key_index: torch.Tensor, key_valid: torch.Tensor | None):
+        """Boolean ``[B|1, 1, T, S]`` mask from the cache coordinates of queries and keys, or None where
+        plain causal attention (or, for one query, attending to every key) is exact."""
+        q_index = ctx.query_index
+        T, S = q_index.shape[1], key_index.shape[1]
+        plain = ctx.key_mask is None and ctx.cu_seqlens is None and key_valid is None
+        if plain and (self.window is None or S <= self.window) and (S == T or T == 1):
             return None
-        q_pos = torch.arange(ctx.past_length, ctx.past_length + T, device=device)
-        k_pos = torch.arange(first_key, first_key + num_keys, device=device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
+        q = q_index[:, :, None]
+        k = key_index[:, None, :]
+        allowed = k <= q
         if self.window is not None:
-            allowed &= k_pos[None, :] > q_pos[:, None] - self.window
+            allowed = allowed & (k > q - self.window)
         if ctx.cu_seqlens is not None:
-            seq = torch.searchsorted(ctx.cu_seqlens.long()[1:], torch.arange(T, device=device), right=True)
-            allowed &= seq[None, :] == seq[:, None]
-        allowed = allowed[None]
+            seq = torch.searchsorted(ctx.cu_seqlens.long()[1:], torch.arange(T, device=q.device), right=True)
+            allowed = allowed & (seq[None, None, :] == seq[None, :, None])
+        if key_valid is not None:
+            allowed = allowed & key_valid[:, None, :]
         if ctx.key_mask is not None:
-            allowed = allowed & ctx.key_mask[:, k_pos][:, None, :]
+            allowed = allowed & ctx.key_mask.gather(1, key_index.expand(ctx.key_mask.shape[0], -1))[:, None, :]
         # A padded query has no valid key; let it see itself so its (ignored) output stays finite.
-        allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None]
+        allowed = allowed | (k == q)
         return allowed[:, None]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import SSEHybridCache
+from ..cache import SlotCache, SSEHybridCache
 
 
 @dataclass
@@ -19,11 +19,11 @@ class ForwardContext:
     """
 
     position_ids: torch.Tensor
+    query_index: torch.Tensor  # [B|1, T] cache coordinate of each token (causal masking)
     token_mask: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
-    cache: SSEHybridCache | None = None
-    past_length: int = 0
+    cache: SSEHybridCache | SlotCache | None = None
 
     @property
     def use_cache(self) -> bool:

@@ -83,7 +83,7 @@ class LinearAttention(nn.Module):
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         x = zero_padding(hidden_states, ctx.token_mask)
-        state = ctx.cache[self.layer_idx] if ctx.cache is not None else None
+        state = ctx.cache.read_linear(self.layer_idx) if ctx.cache is not None else None
 
         q_raw, k_raw = zero_padding(self.q_proj(x), ctx.token_mask), zero_padding(self.k_proj(x), ctx.token_mask)
         conv_out = None
@@ -122,7 +122,7 @@ class LinearAttention(nn.Module):
             cu_seqlens=ctx.cu_seqlens,
         )
         if state is not None:
-            ctx.cache.layers[self.layer_idx] = LinearLayerState(recurrent, conv_out)
+            ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
         return output_projection(self, o.to(hidden_states.dtype), hidden_states), None
 
 

@@ -99,7 +99,7 @@ class SSEAttention(nn.Module):
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         mask = ctx.token_mask
         x = zero_padding(hidden_states, mask)
-        state = ctx.cache[self.layer_idx] if ctx.cache is not None else None
+        state = ctx.cache.read_linear(self.layer_idx) if ctx.cache is not None else None
 
         q, k = zero_padding(self.q_proj(x), mask), zero_padding(self.k_proj(x), mask)
         lora_q, lora_k = self.lora_q_proj(x), self.lora_k_proj(x)
@@ -149,7 +149,7 @@ class SSEAttention(nn.Module):
             cu_seqlens=ctx.cu_seqlens,
         )
         if state is not None:
-            ctx.cache.layers[self.layer_idx] = LinearLayerState(recurrent, conv_out)
+            ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
         out = output_projection(self, o.to(hidden_states.dtype), hidden_states)
         return out, balance_loss(routing, mask)
 
