@@ -9,8 +9,9 @@ Two implementations of one protocol, which the layers use and nothing else:
 Protocol (``cache`` below is either):
     ``cache.query_index(T)``            [B|1, T] cache coordinate of each new token (for causal masking)
     ``cache.rope_positions(T)``         [B|1, T] RoPE positions of the new tokens when no mask says otherwise
-    ``cache.read_linear(i)``            the :class:`LinearLayerState` of the current rows (None entries: zeros)
-    ``cache.write_linear(i, state)``    store it back
+    ``cache.read_linear(i, recurrent)`` the :class:`LinearLayerState` of the current rows (None entries:
+                                        zeros); ``recurrent=False`` skips the state (in-place decoding)
+    ``cache.write_linear(i, state)``    store its non-None parts back
     ``cache.linear_pool(i)``            ``(pool, slots)`` for in-place decode kernels, or None
     ``cache.attend(i, k, v)``           append keys/values; returns ``(keys, values, key_index, key_valid)``
     ``cache.advance(T)``                after the forward: T more tokens seen
@@ -70,14 +71,20 @@ class SSEHybridCache:
 
     rope_positions = query_index
 
-    def read_linear(self, layer_idx: int) -> LinearLayerState:
+    def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
         return self.layers[layer_idx]
 
     def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
-        self.layers[layer_idx] = state
+        layer = self.layers[layer_idx]
+        layer.recurrent = state.recurrent if state.recurrent is not None else layer.recurrent
+        layer.conv = state.conv if state.conv is not None else layer.conv
 
     def linear_pool(self, layer_idx: int):
-        return None
+        """The batch's state tensor itself, for in-place decoding (once a prefill has created it)."""
+        state = self.layers[layer_idx].recurrent
+        if state is None or state.requires_grad:
+            return None
+        return state, torch.arange(state.shape[0], device=state.device)
 
     def attend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
         layer = self.layers[layer_idx]
@@ -211,13 +218,14 @@ class SlotCache:
 
     rope_positions = query_index
 
-    def read_linear(self, layer_idx: int) -> LinearLayerState:
+    def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
         conv = self.conv.get(layer_idx)
-        return LinearLayerState(self.linear[layer_idx][self.slots],
+        return LinearLayerState(self.linear[layer_idx][self.slots] if recurrent else None,
                                 None if conv is None else tuple(c[self.slots] for c in conv))
 
     def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
-        self.linear[layer_idx][self.slots] = state.recurrent.to(self.linear[layer_idx].dtype)
+        if state.recurrent is not None:
+            self.linear[layer_idx][self.slots] = state.recurrent.to(self.linear[layer_idx].dtype)
         if state.conv is not None:
             for pool, value in zip(self.conv[layer_idx], state.conv):
                 pool[self.slots] = value.to(pool.dtype)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..cache import LinearLayerState
 from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, feature_map
 from ..ops.delta_rule import l2norm
-from ..ops.dispatch import linear_attention
+from ..ops.dispatch import linear_attention, linear_decode
 from .common import ForwardContext, zero_padding
 
 
@@ -83,7 +83,8 @@ class LinearAttention(nn.Module):
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         x = zero_padding(hidden_states, ctx.token_mask)
-        state = ctx.cache.read_linear(self.layer_idx) if ctx.cache is not None else None
+        pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
+        state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
         q_raw, k_raw = zero_padding(self.q_proj(x), ctx.token_mask), zero_padding(self.k_proj(x), ctx.token_mask)
         conv_out = None
@@ -114,6 +115,11 @@ class LinearAttention(nn.Module):
                 k = k * write
         k, v, g, beta = (zero_padding(t, ctx.token_mask) for t in (k, v, g, beta))
 
+        if pool is not None:  # one token per sequence, state updated in place
+            o = linear_decode(self.transition, *pool, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                              None if beta is None else beta[:, 0])[:, None]
+            ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
+            return output_projection(self, o.to(hidden_states.dtype), hidden_states), None
         o, recurrent = linear_attention(
             self.transition, q, k, v, g, beta,
             mode=cfg.linear_mode, chunk_size=cfg.chunk_size,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..cache import LinearLayerState
 from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, feature_map, row_topk_softmax
 from ..ops.delta_rule import l2norm
-from ..ops.dispatch import sse_attention
+from ..ops.dispatch import sse_attention, sse_decode
 from ..ops.sse import Branch, Routing, SSEOptions, route
 from .common import ForwardContext, zero_padding
 from .linear import gdn_gates, init_gdn_decay, output_projection
@@ -41,6 +41,10 @@ def balance_loss(routing: Routing, token_mask: torch.Tensor | None) -> torch.Ten
         mean_prob = probs.mean(dim=(0, 1))
         frac = chosen.mean(dim=(0, 1))
     return routing.num_partitions / routing.num_writers * (mean_prob * frac).sum()
+
+
+def _first(branch: Branch) -> Branch:
+    return Branch(*(None if t is None else t[:, 0] for t in (branch.q, branch.k, branch.g, branch.beta)))
 
 
 class SSEAttention(nn.Module):
@@ -99,7 +103,8 @@ class SSEAttention(nn.Module):
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         mask = ctx.token_mask
         x = zero_padding(hidden_states, mask)
-        state = ctx.cache.read_linear(self.layer_idx) if ctx.cache is not None else None
+        pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
+        state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
         q, k = zero_padding(self.q_proj(x), mask), zero_padding(self.k_proj(x), mask)
         lora_q, lora_k = self.lora_q_proj(x), self.lora_k_proj(x)
@@ -139,6 +144,11 @@ class SSEAttention(nn.Module):
         v = zero_padding(v, mask)
 
         routing = route(self.e_proj(x), cfg.num_writers, cfg.num_readers)
+        if pool is not None:  # one token per sequence, partitions updated in place
+            token = Routing(routing.probs[:, 0], routing.topk[:, 0], routing.num_writers, routing.num_readers)
+            o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options)[:, None]
+            ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
+            return output_projection(self, o.to(hidden_states.dtype), hidden_states), balance_loss(routing, mask)
         o, recurrent = sse_attention(
             shared, sparse, v, routing, self.options,
             implementation=cfg.sse_implementation,

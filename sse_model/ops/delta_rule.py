@@ -49,6 +49,18 @@ def _packed(fn, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
     return layout.unpad(o), state
 
 
+def gated_delta_step(state, q, k, v, g, beta, scale, use_qk_l2norm=False):
+    """One token of the gated delta rule; any leading dims, computed in ``state``'s dtype."""
+    dt = state.dtype
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    state = g.to(dt).exp()[..., None, None] * state
+    delta = v - torch.einsum("...k,...kv->...v", k, state)
+    state = state + beta.to(dt)[..., None, None] * k[..., None] * delta[..., None, :]
+    return state, torch.einsum("...k,...kv->...v", q * scale, state)
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,11 +89,8 @@ def recurrent_gated_delta_rule(
     state = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     outputs = []
     for t in range(T):
-        k_t, v_t = k[:, t].to(dt), v[:, t].to(dt)
-        state = g[:, t].to(dt).exp()[..., None, None] * state
-        delta = v_t - torch.einsum("bhk,bhkv->bhv", k_t, state)
-        state = state + beta[:, t].to(dt)[..., None, None] * k_t[..., None] * delta[..., None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt) * scale, state))
+        state, o = gated_delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale)
+        outputs.append(o)
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V, dtype=dt)
     return o.to(v.dtype), (state if output_final_state else None)
 

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from .gla import chunk_gla, recurrent_gla
-from .sse import Branch, Routing, SSEOptions, sse_masked, sse_recurrent, sse_varlen
+from .delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
+from .gla import chunk_gla, gla_step, recurrent_gla
+from .sse import Branch, Routing, SSEOptions, sse_decode_step, sse_masked, sse_recurrent, sse_varlen
 
 SSE_IMPLEMENTATIONS = ("auto", "recurrent", "mask", "varlen")
 LINEAR_MODES = ("auto", "recurrent", "chunk")
@@ -49,13 +49,16 @@ def torch_linear_op(transition: str, mode: str = "chunk", chunk_size: int = 16) 
 
 @dataclass
 class Backend:
-    """An accelerated implementation: ``linear_op(transition, mode)`` and optionally a whole-SSE function."""
+    """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
+    signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
+    ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
     linear_op: Callable[[str, str], Callable | None]
     sse: Callable | None = None
-    decode: Callable | None = None
+    sse_decode: Callable | None = None
+    linear_decode: Callable | None = None
 
 
 _BACKENDS: list[Backend] = []
@@ -141,6 +144,30 @@ def sse_attention(
     return impl(shared, sparse, v, routing, opts, op, **kw)
 
 
+def sse_decode(pool, slots, shared: Branch, sparse: Branch, v, routing: Routing, opts: SSEOptions) -> torch.Tensor:
+    """One SSE token per sequence, states updated in place in rows ``slots`` of ``pool``; see
+    :func:`~sse_model.ops.sse.sse_decode_step` for shapes."""
+    backend = active_backend(v)
+    if backend is not None and backend.sse_decode is not None:
+        return backend.sse_decode(pool, slots, shared, sparse, v, routing, opts)
+    return sse_decode_step(pool, slots, shared, sparse, v, routing, opts)
+
+
+def linear_decode(transition, pool, slots, q, k, v, g, beta=None, *, scale=None, use_qk_l2norm=False) -> torch.Tensor:
+    """One GLA / gated-delta-rule token per sequence (``q, k: [B, H, K]``), states updated in place."""
+    backend = active_backend(v)
+    if backend is not None and backend.linear_decode is not None:
+        return backend.linear_decode(transition, pool, slots, q, k, v, g, beta, scale=scale,
+                                     use_qk_l2norm=use_qk_l2norm)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if transition == "gla":
+        state, o = gla_step(pool[slots], q, k, v, g, scale)
+    else:
+        state, o = gated_delta_step(pool[slots], q, k, v, g, beta, scale, use_qk_l2norm)
+    pool[slots] = state.to(pool.dtype)
+    return o
+
+
 __all__ = [
     "Backend",
     "LINEAR_MODES",
@@ -148,8 +175,10 @@ __all__ = [
     "active_backend",
     "choose_sse_implementation",
     "linear_attention",
+    "linear_decode",
     "register_backend",
     "select_linear_op",
     "sse_attention",
+    "sse_decode",
     "torch_linear_op",
 ]

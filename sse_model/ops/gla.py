@@ -39,6 +39,13 @@ def _packed(fn, q, k, v, g, initial_state, output_final_state, cu_seqlens, multi
     return layout.unpad(o), state
 
 
+def gla_step(state, q, k, v, g, scale):
+    """One token: ``S = diag(exp(g)) S + k^T v``, ``o = scale * q S``; any leading dims, in ``state``'s dtype."""
+    dt = state.dtype
+    state = g.to(dt).exp()[..., None] * state + k.to(dt)[..., None] * v.to(dt)[..., None, :]
+    return state, torch.einsum("...k,...kv->...v", q.to(dt) * scale, state)
+
+
 def recurrent_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,9 +67,8 @@ def recurrent_gla(
     state = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     outputs = []
     for t in range(T):
-        decay = g[:, t].to(dt).exp()
-        state = decay[..., None] * state + k[:, t].to(dt)[..., None] * v[:, t].to(dt)[..., None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt) * scale, state))
+        state, o = gla_step(state, q[:, t], k[:, t], v[:, t], g[:, t], scale)
+        outputs.append(o)
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V, dtype=dt)
     return o.to(v.dtype), (state if output_final_state else None)
 

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from .delta_rule import l2norm
+from .delta_rule import gated_delta_step, l2norm
+from .gla import gla_step
 from .varlen import PaddedLayout, check_cu_seqlens, compute_dtype, dense_cu_seqlens
 
 LinearOp = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -133,17 +134,47 @@ def _check_state(initial_state, num_seqs, num_partitions, q, v):
 
 def _step(opts, state, q, k, v, g, beta, scale):
     """One token of the chosen transition; leading dims of ``state`` are arbitrary."""
-    dt = state.dtype
-    q, k, v, g = q.to(dt), k.to(dt), v.to(dt), g.to(dt)
     if opts.transition == "gla":
-        state = g.exp()[..., None] * state + k[..., None] * v[..., None, :]
-    else:
-        if opts.qk_l2norm:
-            q, k = l2norm(q), l2norm(k)
-        state = g.exp()[..., None, None] * state
-        delta = v - torch.einsum("...k,...kv->...v", k, state)
-        state = state + beta.to(dt)[..., None, None] * k[..., None] * delta[..., None, :]
-    return state, torch.einsum("...k,...kv->...v", q * scale, state)
+        return gla_step(state, q, k, v, g, scale)
+    return gated_delta_step(state, q, k, v, g, beta, scale, opts.qk_l2norm)
+
+
+def sse_decode_step(
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    shared: Branch,
+    sparse: Branch,
+    v: torch.Tensor,
+    routing: Routing,
+    opts: SSEOptions,
+) -> torch.Tensor:
+    """One token for each of ``B`` sequences whose states live in rows ``slots`` of ``pool``
+    (``[rows, 1 + N, H, K, V]``), updated in place. Inputs are per token: ``q: [B, H, K]``, ``v: [B, H, V]``,
+    routing ``[B, N]``. Only the shared partition and each token's selected partitions are read or
+    written; every other partition is left bit-for-bit untouched. Returns ``o: [B, H, V]``."""
+    K = shared.q.shape[-1]
+    scale = K**-0.5 if opts.scale is None else opts.scale
+    rows = slots[:, None]
+    s0, o = _step(opts, pool[slots, 0], shared.q, shared.k, v, shared.g, shared.beta, scale)
+    pool[slots, 0] = s0.to(pool.dtype)
+    write_w, read_w, write_mask = routing.weights(opts.write_gate, opts.read_gate)
+
+    def inputs_for(idx):  # the sparse inputs for partitions idx [B, n]
+        weights = [x.gather(-1, idx) for x in (read_w, write_w, write_mask)]
+        one = Branch(*(None if x is None else x[:, None].expand(-1, idx.shape[1], *x.shape[1:])
+                       for x in (sparse.q, sparse.k, sparse.g, sparse.beta)))
+        return gate_partition(one, v[:, None].expand(-1, idx.shape[1], -1, -1), *weights, opts)
+
+    written = routing.topk[:, :routing.num_writers]
+    q_w, k_w, v_w, g_w, beta_w = inputs_for(written)
+    new, _ = _step(opts, pool[rows, 1 + written], q_w, k_w, v_w, g_w, beta_w, scale)
+    pool[rows.expand_as(written), 1 + written] = new.to(pool.dtype)
+
+    read = routing.topk[:, :routing.num_readers]
+    q_r = inputs_for(read)[0].to(pool.dtype)
+    if opts.transition == "gdn" and opts.qk_l2norm:
+        q_r = l2norm(q_r)
+    return o + torch.einsum("bnhk,bnhkv->bhv", q_r * scale, pool[rows, 1 + read].to(q_r.dtype))
 
 
 def sse_recurrent(
@@ -156,55 +187,32 @@ def sse_recurrent(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token by token; only the selected partitions of each token are gathered, updated and scattered back."""
+    """The definition: :func:`sse_decode_step` applied token after token."""
     B, T, H, K = shared.q.shape
     V = v.shape[-1]
     N = routing.num_partitions
     num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _check_state(initial_state, num_seqs, N, shared.q, v)
-    scale = K**-0.5 if opts.scale is None else opts.scale
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T)
         layout = PaddedLayout.from_cu_seqlens(cu_seqlens)
         pad = layout.pad
-        probs, topk = pad(routing.probs), pad(routing.topk)
         shared = Branch(*(None if x is None else pad(x) for x in (shared.q, shared.k, shared.g, shared.beta)))
         sparse = Branch(*(None if x is None else pad(x) for x in (sparse.q, sparse.k, sparse.g, sparse.beta)))
-        routing = Routing(probs, topk, routing.num_writers, routing.num_readers)
+        routing = Routing(pad(routing.probs), pad(routing.topk), routing.num_writers, routing.num_readers)
         o, state = sse_recurrent(shared, sparse, pad(v), routing, opts, initial_state, output_final_state)
         return layout.unpad(o), state
 
     dt = compute_dtype(shared.q)
-    state = shared.q.new_zeros(B, 1 + N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-    write_w, read_w, write_mask = routing.weights(opts.write_gate, opts.read_gate)
-    Kw, Kr = routing.num_writers, routing.num_readers
-    batch = torch.arange(B, device=v.device)[:, None]
+    state = shared.q.new_zeros(B, 1 + N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt).clone()
+    slots = torch.arange(B, device=v.device)
     outputs = []
     for t in range(T):
-        s0, o = _step(
-            opts, state[:, 0], shared.q[:, t], shared.k[:, t], v[:, t], shared.g[:, t],
-            None if shared.beta is None else shared.beta[:, t], scale,
-        )
-        state = state.clone()
-        state[:, 0] = s0
+        def at(branch):
+            return Branch(*(None if x is None else x[:, t] for x in (branch.q, branch.k, branch.g, branch.beta)))
 
-        def token_inputs(idx):  # the sparse inputs of token t for partitions idx [B, n]
-            w = [x[:, t].gather(-1, idx) for x in (read_w, write_w, write_mask)]
-            one = Branch(*(None if x is None else x[:, t, None].expand(-1, idx.shape[1], *x.shape[2:])
-                           for x in (sparse.q, sparse.k, sparse.g, sparse.beta)))
-            return gate_partition(one, v[:, t, None].expand(-1, idx.shape[1], -1, -1), *w, opts)
-
-        written = routing.topk[:, t, :Kw]
-        q_w, k_w, v_w, g_w, beta_w = token_inputs(written)
-        new, _ = _step(opts, state[batch, 1 + written], q_w, k_w, v_w, g_w, beta_w, scale)
-        state = state.index_put((batch.expand_as(written), 1 + written), new)
-
-        read = routing.topk[:, t, :Kr]
-        q_r = token_inputs(read)[0].to(dt)
-        if opts.transition == "gdn" and opts.qk_l2norm:
-            q_r = l2norm(q_r)
-        o = o + torch.einsum("bnhk,bnhkv->bhv", q_r * scale, state[batch, 1 + read])
-        outputs.append(o)
+        token_routing = Routing(routing.probs[:, t], routing.topk[:, t], routing.num_writers, routing.num_readers)
+        outputs.append(sse_decode_step(state, slots, at(shared), at(sparse), v[:, t], token_routing, opts))
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V, dtype=dt)
     return o.to(v.dtype), (state if output_final_state else None)
 
