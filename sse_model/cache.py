@@ -200,16 +200,12 @@ class SlotCache:
 
     def fork(self, source: int, targets: torch.Tensor) -> None:
         """Copies slot ``source`` (states, KV prefix, length) into every slot of ``targets``."""
-        for pool in self.linear.values():
-            pool[targets] = pool[source]
-        for pair in self.conv.values():
-            for pool in pair:
-                pool[targets] = pool[source]
+        for pool in [*self.linear.values(), *(p for pair in self.conv.values() for p in pair)]:
+            pool[targets] = pool[source].clone()
         length = int(self.lengths[source])
-        for i in self.keys:
-            n = min(length, self.keys[i].shape[2])
-            self.keys[i][targets, :, :n] = self.keys[i][source, :, :n]
-            self.values[i][targets, :, :n] = self.values[i][source, :, :n]
+        for pool in [*self.keys.values(), *self.values.values()]:
+            n = min(length, pool.shape[2])
+            pool[targets, :, :n] = pool[source, :, :n].clone()
         self.lengths[targets] = length
 
     # -- protocol ----------------------------------------------------------------------------------

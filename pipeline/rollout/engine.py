@@ -1,0 +1,436 @@
+"""The SSE-aware rollout engine: continuous batching over a pool of state slots.
+
+A request (prompt, :class:`SamplingParams` with ``n`` samples) waits until ``n`` slots are free, is prefilled
+once in chunks into its first slot (chunks interleave with the decode steps of running sequences), and its
+state is then forked into the other ``n - 1`` slots: a copy of every linear layer's fixed-size state and of
+the softmax layers' KV prefix. Each decode step advances every running sequence by one token in one
+forward pass over their slots; SSE layers read and write only the partitions each token selects. A
+finished sequence frees its slot at once and the next waiting request is admitted.
+
+Memory is planned up front: a slot holds its linear states plus KV for ``max_model_len`` tokens, so a
+running sequence can always reach ``max_model_len`` and the engine queues rather than running out of
+memory mid-batch. On CUDA, decode steps replay CUDA graphs captured per batch-size bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sse_model.cache import SlotCache
+
+from .sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None  # "stop" | "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class _Sequence:
+    request: "_Request"
+    index: int
+    slot: int
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    slots: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    seqs: list[_Sequence] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    occupied_slot_steps: int = 0
+    finished_requests: int = 0
+
+    def as_dict(self, max_slots: int) -> dict:
+        busy = self.decode_seconds + self.prefill_seconds
+        return {
+            "generated_tokens": self.generated_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_steps": self.decode_steps,
+            "decode_tokens_per_s": self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+            "tokens_per_s": self.generated_tokens / busy if busy else 0.0,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
+            "mean_slot_occupancy": self.occupied_slot_steps / (self.decode_steps * max_slots) if self.decode_steps else 0.0,
+            "finished_requests": self.finished_requests,
+        }
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """90% of the free GPU memory after the weights on CUDA; 2 GiB on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return 2 * 1024**3
+
+
+class Engine:
+    """``Engine(model or path, ...)``; ``generate(prompts, SamplingParams(...))`` like vLLM's ``LLM``.
+
+    ``memory_budget`` (bytes) sizes the slot pool when ``max_slots`` is not given. ``prefill_chunk_size``
+    is the number of prompt tokens prefilled per engine step."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_slots: int | None = None,
+        max_model_len: int = 4096,
+        memory_budget: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        prefill_chunk_size: int = 512,
+        use_cuda_graphs: bool | None = None,
+        seed: int = 0,
+    ):
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            import sse_model  # noqa: F401 - registers the architecture
+
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32)
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(device=device, dtype=dtype or next(model.parameters()).dtype).eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device, self.dtype = device, next(self.model.parameters()).dtype
+        self.max_model_len = max_model_len
+        self.prefill_chunk_size = prefill_chunk_size
+        self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype)
+        self.memory_budget = memory_budget if memory_budget is not None else default_memory_budget(device)
+        if max_slots is None:
+            max_slots = self.memory_budget // self.per_slot_bytes
+            if max_slots < 1:
+                raise ValueError(f"memory_budget {self.memory_budget} B is below one slot ({self.per_slot_bytes} B "
+                                 f"at max_model_len={max_model_len})")
+        self.max_slots = int(max_slots)
+        self.scratch_slot = self.max_slots  # padding rows of graph buckets write here
+        self.cache = SlotCache(self.config, self.max_slots + 1, max_model_len, device, self.dtype)
+        self.free_slots: deque[int] = deque(range(self.max_slots))
+        self.waiting: deque[_Request] = deque()
+        self.prefilling: deque[_Request] = deque()
+        self.running: list[_Sequence] = []
+        self.stats = EngineStats()
+        self.weights_version = 0
+        self._rng = random.Random(seed)
+        self._next_id = 0
+        eos = getattr(self.config, "eos_token_id", None)
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self._graphs: dict[int, tuple] = {}
+
+    # ---------------------------------------------------------------------------------------------
+    # requests
+    def capacity(self, seq_len: int | None = None) -> int:
+        """How many sequences of ``seq_len`` tokens fit in the memory budget (default: max_model_len)."""
+        per = SlotCache.bytes_per_slot(self.config, seq_len or self.max_model_len, self.dtype)
+        return int(self.memory_budget // per)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queues one request; bad requests raise ``ValueError`` here and leave everything else untouched."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or give the engine a tokenizer")
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            text = prompt
+        else:
+            prompt_ids, text = [int(t) for t in prompt], None
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+        vocab = self.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.n > self.max_slots:
+            raise ValueError(f"n={params.n} exceeds the engine's {self.max_slots} slots")
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        self.waiting.append(_Request(request_id, text, prompt_ids, params, time.monotonic()))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # ---------------------------------------------------------------------------------------------
+    # the loop
+    def step(self) -> list[RequestOutput]:
+        """One decode step for running sequences, then admission and up to ``prefill_chunk_size`` prompt
+        tokens of prefill. Returns the requests that finished."""
+        finished: list[RequestOutput] = []
+        if self.running:
+            finished += self._decode()
+        self._admit()
+        if self.prefilling:
+            finished += self._prefill()
+        return finished
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.free_slots) >= self.waiting[0].params.n:
+            request = self.waiting.popleft()
+            request.slots = [self.free_slots.popleft() for _ in range(request.params.n)]
+            self.cache.reset(torch.tensor(request.slots, device=self.device))
+            self.prefilling.append(request)
+
+    @torch.no_grad()
+    def _prefill(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        budget = self.prefill_chunk_size
+        finished = []
+        while self.prefilling and budget > 0:
+            request = self.prefilling[0]
+            chunk = request.prompt_ids[request.prefilled:request.prefilled + budget]
+            self.cache.slots = torch.tensor(request.slots[:1], device=self.device)
+            ids = torch.tensor([chunk], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+            request.prefilled += len(chunk)
+            budget -= len(chunk)
+            self.stats.prefill_tokens += len(chunk)
+            if request.prefilled < len(request.prompt_ids):
+                continue
+            self.prefilling.popleft()
+            if len(request.slots) > 1:
+                self.cache.fork(request.slots[0], torch.tensor(request.slots[1:], device=self.device))
+            base = request.params.seed if request.params.seed is not None else self._rng.getrandbits(62)
+            request.seqs = [_Sequence(request, i, slot, base + i) for i, slot in enumerate(request.slots)]
+            tokens, logprobs = self._sample(logits[:, -1].expand(len(request.seqs), -1), request.seqs)
+            for seq, token, logprob in zip(request.seqs, tokens, logprobs):
+                self._append(seq, token, logprob)
+            done = self._collect(request.seqs)
+            self.running += [s for s in request.seqs if s.finish_reason is None]
+            finished += done
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return finished
+
+    @torch.no_grad()
+    def _decode(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        seqs = self.running
+        B = len(seqs)
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        logits = self._forward_decode(ids, slots)
+        tokens, logprobs = self._sample(logits, seqs)
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            self._append(seq, token, logprob)
+        self.stats.decode_steps += 1
+        self.stats.occupied_slot_steps += B
+        self.running = [s for s in seqs if s.finish_reason is None]
+        done = self._collect(seqs)
+        self.stats.decode_seconds += time.perf_counter() - start
+        return done
+
+    def _forward_decode(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if not self.use_cuda_graphs:
+            self.cache.slots = slots
+            out = self.model(input_ids=ids[:, None], past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1]
+        return self._graph_decode(ids, slots)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]):
+        p = [s.request.params for s in seqs]
+        dev = logits.device
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([x.temperature for x in p], device=dev, dtype=torch.float32),
+            torch.tensor([x.top_p for x in p], device=dev, dtype=torch.float32),
+            torch.tensor([x.top_k for x in p], device=dev, dtype=torch.long),
+            torch.tensor([s.seed for s in seqs], device=dev, dtype=torch.long),
+            torch.tensor([len(s.token_ids) for s in seqs], device=dev, dtype=torch.long),
+        )
+        return tokens.tolist(), logprobs.tolist()
+
+    def _append(self, seq: _Sequence, token: int, logprob: float) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        if params.logprobs:
+            seq.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_ids)
+        if token in stop_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop_strings and self.tokenizer is not None:
+            window = max(8, 2 * max(len(s) for s in params.stop_strings))
+            tail = self.tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=True)
+            hit = next((s for s in params.stop_strings if s in tail), None)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason = "stop", hit
+        if seq.finish_reason is None and (len(seq.token_ids) >= params.max_tokens or
+                                          len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len):
+            seq.finish_reason = "length"
+
+    def _collect(self, seqs: list[_Sequence]) -> list[RequestOutput]:
+        """Frees the slots of finished sequences; returns the requests whose samples are all done."""
+        done, seen = [], set()
+        for seq in seqs:
+            if seq.finish_reason is not None and seq.slot >= 0:
+                self.free_slots.append(seq.slot)
+                seq.slot = -1
+                request = seq.request
+                if request.id not in seen and all(s.finish_reason is not None for s in request.seqs):
+                    seen.add(request.id)
+                    done.append(self._output(request))
+        self.stats.finished_requests += len(done)
+        return done
+
+    def _output(self, request: _Request) -> RequestOutput:
+        outputs = []
+        for seq in request.seqs:
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+                if isinstance(seq.stop_reason, str):
+                    cut = text.find(seq.stop_reason)
+                    if cut >= 0:
+                        text = text[:cut + (len(seq.stop_reason) if request.params.include_stop_str_in_output else 0)]
+            outputs.append(CompletionOutput(seq.index, text, seq.token_ids,
+                                            seq.logprobs if request.params.logprobs else None,
+                                            seq.finish_reason, seq.stop_reason))
+        return RequestOutput(request.id, request.prompt, request.prompt_ids, outputs)
+
+    # ---------------------------------------------------------------------------------------------
+    # CUDA graphs: one per batch-size bucket; padding rows decode into the scratch slot
+    def _bucket(self, B: int) -> int:
+        size = 1
+        while size < B:
+            size *= 2
+        return min(size, self.max_slots)
+
+    def _graph_decode(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        B = ids.shape[0]
+        size = self._bucket(B)
+        if size not in self._graphs:
+            self._capture(size)
+        graph, static_ids, static_slots, static_logits = self._graphs[size]
+        static_ids.fill_(0)
+        static_ids[:B] = ids
+        static_slots.fill_(self.scratch_slot)
+        static_slots[:B] = slots
+        self.cache.lengths[self.scratch_slot] = 0
+        graph.replay()
+        return static_logits[:B]
+
+    def _capture(self, size: int) -> None:
+        static_ids = torch.zeros(size, dtype=torch.long, device=self.device)
+        static_slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=self.device)
+        lengths = self.cache.lengths.clone()
+
+        def run():
+            self.cache.slots = static_slots
+            out = self.model(input_ids=static_ids[:, None], past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1]
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (Triton autotuning, allocator)
+                self.cache.lengths[self.scratch_slot] = 0
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.cache.lengths[self.scratch_slot] = 0
+        with torch.cuda.graph(graph):
+            static_logits = run()
+        self.cache.lengths.copy_(lengths)
+        self._graphs[size] = (graph, static_ids, static_slots, static_logits)
+
+    # ---------------------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); returns outputs in the order of ``prompts``."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        start, tokens0 = time.perf_counter(), self.stats.generated_tokens
+        while len(results) < len(ids):
+            for out in self.step():
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+                    rate = (self.stats.generated_tokens - tokens0) / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix(tok_s=f"{rate:.0f}", running=len(self.running))
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def update_weights(self, weights) -> None:
+        """Loads new weights (a state dict, or a checkpoint directory) in place, between batches."""
+        if self.has_unfinished():
+            raise RuntimeError("update_weights while requests are in flight; call it between batches")
+        if isinstance(weights, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            weights = AutoModelForCausalLM.from_pretrained(weights).state_dict()
+        own = self.model.state_dict()
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameters {unknown[:5]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                own[name].copy_(value.to(device=own[name].device, dtype=own[name].dtype))
+        self.weights_version += 1
+
+    def get_stats(self) -> dict:
+        stats = self.stats.as_dict(self.max_slots)
+        stats.update(max_slots=self.max_slots, per_slot_bytes=self.per_slot_bytes, weights_version=self.weights_version,
+                     running=len(self.running), waiting=len(self.waiting) + len(self.prefilling))
+        return stats

@@ -1,0 +1,177 @@
+"""The rollout engine against model.generate and the model's own forward, on a tiny SSE-H."""
+
+import pytest
+import torch
+
+from pipeline.rollout import Engine, SamplingParams, sample
+from pipeline.tokenizer import build_char_tokenizer
+from sse_model import SSEConfig, SSEForCausalLM
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, mixer_types=["sse", "sse", "gla", "sse", "swa", "attn"],
+                                   sliding_window=8, use_short_conv=True)
+    return SSEForCausalLM(config).eval()
+
+
+def make_engine(model, tokenizer, **kw):
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("max_model_len", 96)
+    return Engine(model, tokenizer, prefill_chunk_size=kw.pop("prefill_chunk_size", 7), **kw)
+
+
+PROMPTS = ["What is 2+3?", "Compute the sum of the first ten primes, please.", "x", "Solve 7*8"]
+
+
+def test_greedy_matches_model_generate(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+        assert out.outputs[0].token_ids == ref.tolist(), prompt
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_match_full_forward(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    out = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=25, seed=3, ignore_eos=True))[0]
+    seq = out.outputs[0]
+    full = torch.tensor([out.prompt_token_ids + seq.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(full).logits[0].float(), -1)
+    P = len(out.prompt_token_ids)
+    expected = [logp[P - 1 + i, t].item() for i, t in enumerate(seq.token_ids)]
+    assert torch.allclose(torch.tensor(seq.logprobs), torch.tensor(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model, tokenizer):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=15, seed=11, ignore_eos=True)
+    alone = make_engine(model, tokenizer).generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    crowd = make_engine(model, tokenizer, max_slots=3).generate(PROMPTS + [PROMPTS[0]], params)[-1].outputs[0].token_ids
+    again = make_engine(model, tokenizer).generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    assert alone == crowd == again
+
+
+def test_forked_samples_equal_independent_prefills(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    forked = engine.generate(PROMPTS[1], SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=100, ignore_eos=True))[0]
+    assert len(forked.outputs) == 4
+    for i, sample_out in enumerate(forked.outputs):
+        single = make_engine(model, tokenizer).generate(
+            PROMPTS[1], SamplingParams(n=1, temperature=1.0, max_tokens=12, seed=100 + i, ignore_eos=True))[0]
+        assert sample_out.token_ids == single.outputs[0].token_ids
+        assert sample_out.logprobs == pytest.approx(single.outputs[0].logprobs, abs=1e-5)
+    assert len({tuple(o.token_ids) for o in forked.outputs}) > 1, "different seeds should give different samples"
+
+
+def test_slot_reuse_under_mixed_lengths_loses_and_mixes_nothing(model, tokenizer):
+    prompts = [f"Question {i}: {'abc' * (i % 5)} what is {i}+{i}?" for i in range(9)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * (i % 4), ignore_eos=True) for i in range(9)]
+    engine = make_engine(model, tokenizer, max_slots=2)
+    outs = engine.generate(prompts, params)
+    assert len(outs) == 9 and engine.get_stats()["mean_slot_occupancy"] > 0.5
+    for prompt, p, out in zip(prompts, params, outs):
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ref = model.generate(ids, max_new_tokens=p.max_tokens, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+        assert out.outputs[0].token_ids == ref.tolist()
+        assert out.prompt == prompt
+    assert not engine.has_unfinished() and len(engine.free_slots) == 2
+
+
+def test_stop_strings_and_stop_tokens(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    base = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop_token = base.token_ids[5]
+    out = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                     stop_token_ids=[stop_token]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    assert out.token_ids == base.token_ids[:base.token_ids.index(stop_token) + 1]
+    stop_text = base.text[8:10]
+    out = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                     stop=stop_text))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_text
+    assert out.text == base.text[:base.text.index(stop_text)]
+
+
+def test_bad_requests_fail_alone(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    good = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("", SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("a" * 200, SamplingParams())
+    with pytest.raises(ValueError, match="n"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="slots"):
+        engine.add_request("abc", SamplingParams(n=5))
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert [f.request_id for f in finished] == [good]
+    ids = tokenizer(PROMPTS[1], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ref = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+    assert finished[0].outputs[0].token_ids == ref.tolist()
+
+
+def test_requests_queue_when_slots_are_full(model, tokenizer):
+    engine = make_engine(model, tokenizer, max_slots=4)
+    outs = engine.generate(PROMPTS[:3], SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=1, ignore_eos=True))
+    assert [len(o.outputs) for o in outs] == [3, 3, 3]
+    assert engine.get_stats()["finished_requests"] == 3
+
+
+def test_memory_planning(model, tokenizer):
+    per_slot = make_engine(model, tokenizer).per_slot_bytes
+    engine = make_engine(model, tokenizer, max_slots=None, memory_budget=10 * per_slot)
+    assert engine.max_slots == 10 and engine.capacity(96) == 10
+    assert engine.capacity(48) >= engine.capacity(96)
+    with pytest.raises(ValueError, match="memory_budget"):
+        make_engine(model, tokenizer, max_slots=None, memory_budget=per_slot // 2)
+
+
+def test_update_weights_changes_generation(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = engine.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    torch.manual_seed(5)
+    other = SSEForCausalLM(model.config).eval()
+    engine.update_weights(other.state_dict())
+    after = engine.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ref = other.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+    assert after == ref.tolist() and after != before
+    engine.update_weights(model.state_dict())  # the module-scoped model is shared by other tests
+    with pytest.raises(KeyError, match="unknown"):
+        engine.update_weights({"no.such.weight": torch.zeros(1)})
+
+
+def test_top_k_and_top_p_are_honoured():
+    """Known distribution p = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]; 20k seeded draws per setting."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    draws = 20000
+    logits = probs.log().expand(draws, -1)
+    seeds = torch.arange(draws)
+    steps = torch.zeros(draws, dtype=torch.long)
+    ones = torch.ones(draws)
+    for top_p, top_k, kept in [(1.0, 0, 6), (1.0, 3, 3), (0.7, 0, 3), (0.5, 0, 2), (0.7, 2, 2), (1e-6, 0, 1)]:
+        tokens, _ = sample(logits, ones, torch.full((draws,), top_p), torch.full((draws,), top_k, dtype=torch.long),
+                           seeds, steps)
+        counts = torch.bincount(tokens, minlength=6).float()
+        assert counts[kept:].sum() == 0, (top_p, top_k, counts)
+        expected = probs[:kept] / probs[:kept].sum() * draws
+        chi2 = ((counts[:kept] - expected) ** 2 / expected).sum().item()
+        assert chi2 < 25.0, (top_p, top_k, chi2)  # p < 1e-3 for <= 5 degrees of freedom
