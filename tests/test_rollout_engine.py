@@ -175,3 +175,26 @@ def test_top_k_and_top_p_are_honoured():
         expected = probs[:kept] / probs[:kept].sum() * draws
         chi2 = ((counts[:kept] - expected) ** 2 / expected).sum().item()
         assert chi2 < 25.0, (top_p, top_k, chi2)  # p < 1e-3 for <= 5 degrees of freedom
+
+
+def test_ray_fleet_matches_local_engine(model, tokenizer):
+    ray = pytest.importorskip("ray")
+    from pipeline.rollout.actor import EngineFleet
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(model, tokenizer, num_engines=2, max_slots=4, max_model_len=96)
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
+        remote = fleet.generate(PROMPTS, params)
+        local = make_engine(model, tokenizer).generate(PROMPTS, params)
+        assert [[o.token_ids for o in r.outputs] for r in remote] == [[o.token_ids for o in r.outputs] for r in local]
+        torch.manual_seed(7)
+        other = SSEForCausalLM(model.config)
+        assert fleet.update_weights(other.state_dict()) == [1, 1]
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ref = other.eval().generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+        assert fleet.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == ref.tolist()
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
