@@ -70,3 +70,33 @@ class HFGenerateBackend:
                 ids = row[:row.index(eos)] if stop else row
                 yield start + i, Completion(tok.decode(ids, skip_special_tokens=True), len(ids) + int(stop),
                                             "stop" if stop else "length")
+
+
+class EngineBackend:
+    """The rollout engine behind the evaluation interface. Consecutive samples of one prompt with
+    consecutive seeds become one request with ``n`` samples (prefilled once, forked); completions stream
+    out as requests finish."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, sampling, seeds):
+        from pipeline.rollout import SamplingParams
+
+        groups: list[list[int]] = []
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            last = groups[-1] if groups else None
+            if last and prompts[last[0]] == prompt and seeds[last[-1]] + 1 == seed and len(last) < self.engine.max_slots:
+                last.append(i)
+            else:
+                groups.append([i])
+        pending = {}
+        for group in groups:
+            params = SamplingParams(n=len(group), temperature=sampling.temperature, top_p=sampling.top_p,
+                                    top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, seed=seeds[group[0]],
+                                    logprobs=False)
+            pending[self.engine.add_request(prompts[group[0]], params)] = group
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                for index, completion in zip(pending.pop(out.request_id), out.outputs):
+                    yield index, Completion(completion.text, len(completion.token_ids), completion.finish_reason)

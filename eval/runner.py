@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from rewards.verify import MathVerifier
 
 from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problems
-from .generation import GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
+from .generation import INSTRUCTION, GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
 from .metrics import cluster_answers, summarize
 from .report import write_reports
 
@@ -69,15 +69,20 @@ class GenerationLog:
 
 
 def request_seed(seed: int, problem_index: int, sample: int) -> int:
-    return (seed * 1_000_003 + problem_index * 1_009 + sample) % (2**31 - 1)
+    """Consecutive samples of a problem get consecutive seeds (so an engine can fork them)."""
+    return (seed * 1_000_003 + problem_index * 100_003 + sample) % (2**31 - 1)
 
 
 def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend: GenerationBackend, tokenizer,
-                       sampling: SamplingConfig, log: GenerationLog, progress: bool = True) -> None:
-    todo = [(i, p, s) for i, p in enumerate(problems) for s in range(repeats) if (p.id, s) not in log.done]
+                       sampling: SamplingConfig, log: GenerationLog, progress: bool = True,
+                       instruction: str = INSTRUCTION, shard: tuple[int, int] = (0, 1)) -> None:
+    """Generates every (problem, sample) of this shard that the log does not hold yet."""
+    index, count = shard
+    todo = [(i, p, s) for i, p in enumerate(problems) for s in range(repeats)
+            if (i * repeats + s) % count == index and (p.id, s) not in log.done]
     if not todo:
         return
-    prompts = [build_prompt(tokenizer, p.problem) for _, p, _ in todo]
+    prompts = [build_prompt(tokenizer, p.problem, instruction) for _, p, _ in todo]
     seeds = [request_seed(sampling.seed, i, s) for i, _, s in todo]
     bar = tqdm(total=len(todo), desc=f"{name}", unit="gen", disable=not progress, dynamic_ncols=True)
     tokens, start = 0, time.perf_counter()
@@ -129,6 +134,84 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
     return summary
 
 
+def _repeats(name: str, n) -> int:
+    return n.get(name, default_repeats(name)) if isinstance(n, dict) else (n or default_repeats(name))
+
+
+def _log_path(output_dir: Path, name: str, shard: tuple[int, int]) -> Path:
+    stem = Path(name).stem
+    return output_dir / "generations" / (f"{stem}.jsonl" if shard[1] == 1 else f"{stem}.shard{shard[0]}of{shard[1]}.jsonl")
+
+
+def _load_model(model, tokenizer):
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import sse_model  # noqa: F401 - registers the SSE architectures with the Auto classes
+
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+        model = AutoModelForCausalLM.from_pretrained(model)
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer with an in-memory model")
+    return model, tokenizer
+
+
+def generate(
+    model,
+    tokenizer=None,
+    benchmarks=PAPER_BENCHMARKS,
+    n: int | dict[str, int] | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    output_dir: str | Path = "eval_results",
+    backend: GenerationBackend | None = None,
+    limit: int | None = None,
+    field_map: dict[str, str] | None = None,
+    instruction: str = INSTRUCTION,
+    shard: tuple[int, int] = (0, 1),
+    progress: bool = True,
+) -> None:
+    """Generation only, for one shard of the (problem, sample) pairs; resumable."""
+    output_dir = Path(output_dir)
+    model, tokenizer = _load_model(model, tokenizer)
+    backend = backend or HFGenerateBackend(model.eval(), tokenizer)
+    for name in benchmarks:
+        problems = load_problems(name, field_map=field_map, limit=limit)
+        log = GenerationLog(_log_path(output_dir, name, shard))
+        try:
+            generate_benchmark(name, problems, _repeats(name, n), backend, tokenizer, sampling, log, progress,
+                               instruction, shard)
+        finally:
+            log.close()
+
+
+def score(
+    output_dir: str | Path,
+    benchmarks=PAPER_BENCHMARKS,
+    n: int | dict[str, int] | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    limit: int | None = None,
+    verifier: MathVerifier | None = None,
+    field_map: dict[str, str] | None = None,
+) -> dict:
+    """Scores every generation file (all shards) and writes summary.json, results.md and results.png."""
+    output_dir = Path(output_dir)
+    own_verifier = verifier is None
+    verifier = verifier or MathVerifier()
+    summary: dict = {"sampling": vars(sampling), "benchmarks": {}}
+    try:
+        for name in benchmarks:
+            stem = Path(name).stem
+            records = [r for path in sorted((output_dir / "generations").glob(f"{stem}*.jsonl"))
+                       for r in read_generations(path)]
+            problems = load_problems(name, field_map=field_map, limit=limit)
+            summary["benchmarks"][name] = score_benchmark(problems, records, _repeats(name, n), verifier, sampling.seed)
+    finally:
+        if own_verifier:
+            verifier.close()
+    write_reports(summary, output_dir)
+    return summary
+
+
 def evaluate(
     model,
     tokenizer=None,
@@ -141,39 +224,13 @@ def evaluate(
     verifier: MathVerifier | None = None,
     field_map: dict[str, str] | None = None,
     progress: bool = True,
+    instruction: str = INSTRUCTION,
 ) -> dict:
     """Evaluates ``model`` (a model object or a local path / hub name) on ``benchmarks``.
 
     ``n``: samples per problem (one number, a per-benchmark dict, or None for each benchmark's default).
     Writes ``generations/*.jsonl``, ``summary.json``, ``results.md`` and ``results.png`` to ``output_dir``
     and returns the summary."""
-    output_dir = Path(output_dir)
-    if isinstance(model, (str, Path)):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        import sse_model  # noqa: F401 - registers the SSE architectures with the Auto classes
-
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-        model = AutoModelForCausalLM.from_pretrained(model)
-    if tokenizer is None:
-        raise ValueError("pass the tokenizer with an in-memory model")
-    if backend is None:
-        backend = HFGenerateBackend(model.eval(), tokenizer)
-    own_verifier = verifier is None
-    verifier = verifier or MathVerifier()
-    summary: dict = {"sampling": vars(sampling), "benchmarks": {}}
-    try:
-        for name in benchmarks:
-            repeats = n.get(name, default_repeats(name)) if isinstance(n, dict) else (n or default_repeats(name))
-            problems = load_problems(name, field_map=field_map, limit=limit)
-            log = GenerationLog(output_dir / "generations" / f"{Path(name).stem}.jsonl")
-            try:
-                generate_benchmark(name, problems, repeats, backend, tokenizer, sampling, log, progress)
-            finally:
-                log.close()
-            summary["benchmarks"][name] = score_benchmark(problems, log.records, repeats, verifier, sampling.seed)
-    finally:
-        if own_verifier:
-            verifier.close()
-    write_reports(summary, output_dir)
-    return summary
+    generate(model, tokenizer, benchmarks, n, sampling, output_dir, backend, limit, field_map, instruction,
+             progress=progress)
+    return score(output_dir, benchmarks, n, sampling, limit, verifier, field_map)

@@ -11,14 +11,18 @@ from .sampling import SamplingParams
 class RolloutWorker:
     """An :class:`Engine` inside a Ray actor; same methods, results returned by value."""
 
-    def __init__(self, model, tokenizer=None, **engine_kwargs):
+    def __init__(self, model, tokenizer=None, sleep_between_calls: bool = False, **engine_kwargs):
         import torch
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
         self.engine = Engine(model, tokenizer, **engine_kwargs)
+        self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
 
     def generate(self, prompts, sampling_params) -> list[RequestOutput]:
-        return self.engine.generate(prompts, sampling_params)
+        outputs = self.engine.generate(prompts, sampling_params)
+        if self.sleep_between_calls:
+            self.engine.sleep()
+        return outputs
 
     def update_weights(self, weights) -> int:
         self.engine.update_weights(weights)

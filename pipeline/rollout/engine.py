@@ -203,9 +203,23 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------
     # the loop
+    def sleep(self) -> None:
+        """Frees the state pools and CUDA graphs (e.g. while a colocated trainer updates the weights)."""
+        if self.has_unfinished():
+            raise RuntimeError("sleep while requests are in flight")
+        self.cache = None
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.cache is None:
+            self.cache = SlotCache(self.config, self.max_slots + 1, self.max_model_len, self.device, self.dtype)
+
     def step(self) -> list[RequestOutput]:
         """One decode step for running sequences, then admission and up to ``prefill_chunk_size`` prompt
         tokens of prefill. Returns the requests that finished."""
+        self.wake_up()
         finished: list[RequestOutput] = []
         if self.running:
             finished += self._decode()

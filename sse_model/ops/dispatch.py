@@ -97,14 +97,14 @@ def linear_attention(transition, q, k, v, g, beta=None, *, mode="auto", chunk_si
     return op(q, k, v, g, beta, **kw)
 
 
-# Measured crossover (tokens per sequence and partition) below which masking beats varlen; see
-# docs/benchmarks.md. The PyTorch path always prefers masking for short inputs, where it is cheaper.
+# Accelerated kernels: masking wins while each partition's share of a sequence is short (it keeps chunks
+# full), varlen beyond (it skips the replicated work); the crossover is measured in docs/benchmarks.md.
 VARLEN_MIN_TOKENS_PER_PARTITION = 512
 
 
-def choose_sse_implementation(seq_len: int, num_partitions: int, num_selected: int) -> str:
-    """Varlen when each partition's segments are long enough for full chunks, masking otherwise."""
-    if seq_len * num_selected / num_partitions >= VARLEN_MIN_TOKENS_PER_PARTITION:
+def choose_sse_implementation(seq_len: int, num_partitions: int, num_selected: int, accelerated: bool) -> str:
+    """The PyTorch ops pay for every replicated head, so they always take varlen; kernels switch by length."""
+    if not accelerated or seq_len * num_selected / num_partitions >= VARLEN_MIN_TOKENS_PER_PARTITION:
         return "varlen"
     return "mask"
 
@@ -137,7 +137,7 @@ def sse_attention(
     seq_len = v.shape[1] if cu_seqlens is None else int(v.shape[1] / max(cu_seqlens.numel() - 1, 1))
     if implementation == "auto":
         implementation = choose_sse_implementation(
-            seq_len, routing.num_partitions, max(routing.num_writers, routing.num_readers)
+            seq_len, routing.num_partitions, max(routing.num_writers, routing.num_readers), backend is not None
         )
     op = select_linear_op(opts.transition, v, mode, chunk_size)
     impl = sse_masked if implementation == "mask" else sse_varlen

@@ -1,0 +1,103 @@
+"""Datasets of the stages: chat-formatted reasoning traces (distill) and prompts with answers (GRPO).
+
+Sources (a :class:`~pipeline.recipe.DataSpec`): ``builtin:arithmetic`` (synthetic sums with worked
+solutions, for the CPU demo and tests), a set packaged with ``eval/data`` (``math_train``,
+``aime_1983_2023``, ``gsm8k_test``, ...), a local JSONL/JSON/parquet file, or a Hugging Face hub name
+(e.g. ``open-r1/OpenR1-Math-220k``) where the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from datasets import Dataset
+
+from eval.benchmarks import DATA_DIR, _read_records
+from eval.generation import INSTRUCTION
+
+from .recipe import DataSpec
+
+PACKAGED = {p.stem: p for p in DATA_DIR.glob("*.jsonl")}
+
+
+def arithmetic_records(n: int, seed: int = 0, terms: int = 3) -> list[dict]:
+    """``a+b+c`` over single digits, with a short worked solution ending in ``\\boxed{}``."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        xs = [rng.randint(0, 9) for _ in range(terms)]
+        partial, steps = xs[0], []
+        for x in xs[1:]:
+            steps.append(f"{partial}+{x}={partial + x}")
+            partial += x
+        records.append({"id": f"arith-{seed}-{i}", "problem": "+".join(map(str, xs)) + "=?",
+                        "answer": str(partial), "solution": ", ".join(steps) + f". \\boxed{{{partial}}}"})
+    return records
+
+
+def _load_records(spec: DataSpec) -> list[dict]:
+    source = spec.source
+    if source.startswith("builtin:"):
+        kind, _, count = source[len("builtin:"):].partition("?n=")
+        if kind != "arithmetic":
+            raise ValueError(f"data source {source!r}: unknown builtin {kind!r} (available: arithmetic)")
+        return arithmetic_records(int(count or spec.max_samples or 2000), seed=spec.seed)
+    if source in PACKAGED:
+        return _read_records(PACKAGED[source])
+    if Path(source).exists():
+        return _read_records(Path(source))
+    try:
+        import datasets
+
+        return list(datasets.load_dataset(source, split=spec.split))
+    except Exception as err:  # noqa: BLE001 - name what was tried
+        raise ValueError(f"data source {source!r}: not builtin, not packaged ({sorted(PACKAGED)}), not a local "
+                         f"file, and not loadable from the Hugging Face hub: {err}") from err
+
+
+def _field(record: dict, spec: DataSpec, name: str, index: int):
+    key = spec.fields.get(name, name)
+    if key not in record or record[key] is None:
+        raise ValueError(f"data source {spec.source!r}: record {index} has no field {key!r} "
+                         f"(fields: {sorted(record)}); map it with data.fields.{name}")
+    return record[key]
+
+
+def user_message(problem: str, instruction: str = INSTRUCTION) -> dict:
+    return {"role": "user", "content": f"{problem}\n{instruction}" if instruction else problem}
+
+
+def _subsample(records: list[dict], spec: DataSpec) -> list[dict]:
+    if spec.max_samples is not None and len(records) > spec.max_samples:
+        records = random.Random(spec.seed).sample(records, spec.max_samples)
+    return records
+
+
+def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
+    """A ``messages`` dataset (user problem + instruction, assistant solution). Records that already hold
+    ``messages`` are used as they are."""
+    records = _subsample(_load_records(spec), spec)
+    rows = []
+    for i, record in enumerate(records):
+        key = spec.fields.get("messages", "messages")
+        if key in record:
+            rows.append({"messages": record[key]})
+            continue
+        problem = _field(record, spec, "problem", i)
+        solution = _field(record, spec, "solution", i)
+        rows.append({"messages": [user_message(str(problem), instruction),
+                                  {"role": "assistant", "content": str(solution)}]})
+    if not rows:
+        raise ValueError(f"data source {spec.source!r} is empty")
+    return Dataset.from_list(rows)
+
+
+def prompt_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
+    """A GRPO dataset: conversational ``prompt`` and the ground-truth ``answer``."""
+    records = _subsample(_load_records(spec), spec)
+    rows = [{"prompt": [user_message(str(_field(r, spec, "problem", i)), instruction)],
+             "answer": str(_field(r, spec, "answer", i))} for i, r in enumerate(records)]
+    if not rows:
+        raise ValueError(f"data source {spec.source!r} is empty")
+    return Dataset.from_list(rows)

@@ -1,0 +1,107 @@
+"""Training metrics: a JSONL log next to TensorBoard, time splits, and curves as PNG."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+class Timer:
+    """Accumulates named wall-clock spans between two log lines (rollout, reward, ...)."""
+
+    def __init__(self):
+        self.spans: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans[name] = self.spans.get(name, 0.0) + seconds
+
+    def count(self, name: str, value: float) -> None:
+        self.counts[name] = self.counts.get(name, 0.0) + value
+
+    def take(self) -> tuple[dict, dict]:
+        spans, counts = self.spans, self.counts
+        self.spans, self.counts = {}, {}
+        return spans, counts
+
+
+class MetricsLogger(TrainerCallback):
+    """Appends every log of the trainer, plus time split and throughput, to ``metrics.jsonl``."""
+
+    def __init__(self, path: Path, timer: Timer | None = None, extra=None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.timer = timer or Timer()
+        self.extra = extra
+        self._last = time.perf_counter()
+        self._last_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last, self._last_step = time.perf_counter(), state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        now = time.perf_counter()
+        steps = max(state.global_step - self._last_step, 1)
+        elapsed = now - self._last
+        spans, counts = self.timer.take()
+        record = {"step": state.global_step, "time": time.time(), **logs}
+        if spans or "loss" in logs:
+            record["time/step_s"] = elapsed / steps
+            for name, seconds in spans.items():
+                record[f"time/{name}_s"] = seconds / steps
+            if spans:
+                record["time/train_s"] = max(0.0, elapsed - sum(spans.values())) / steps
+        for name, value in counts.items():
+            record[name] = value
+        if "tokens/generated" in counts and spans.get("rollout"):
+            record["tokens/generated_per_s"] = counts["tokens/generated"] / spans["rollout"]
+        if self.extra is not None:
+            record.update(self.extra())
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record, default=float) + "\n")
+        self._last, self._last_step = now, state.global_step
+
+
+def read_metrics(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line of a killed run
+    return rows
+
+
+def plot_curves(metrics_path: Path, png_path: Path, keys: list[str], title: str) -> Path | None:
+    """One panel per metric key found in the log, against the training step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    keys = [k for k in keys if any(k in r for r in rows)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
+        ax.set_xlabel("step")
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

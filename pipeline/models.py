@@ -1,0 +1,64 @@
+"""Loading the model and tokenizer a stage starts from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .recipe import ModelSpec
+from .tokenizer import build_char_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("recipe asks for device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def load_tokenizer(name: str | None, fallback: str | Path | None = None):
+    from transformers import AutoTokenizer
+
+    if name == "char":
+        return build_char_tokenizer()
+    source = name or fallback
+    if source is None:
+        raise ValueError("model.tokenizer is needed to build a model from a preset (a path, hub name, or 'char')")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int = 0):
+    """``(model, tokenizer)``: from ``checkpoint`` (a previous stage) if given, else from ``spec``."""
+    import sse_model  # noqa: F401 - Auto class registration
+    from transformers import AutoModelForCausalLM
+
+    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.convert import convert_to_sse
+    from sse_model.fla_compat import FLA_MODEL_TYPE, load_fla_checkpoint
+
+    dtype = DTYPES[spec.dtype]
+    path = checkpoint or spec.path
+    if path is not None:
+        config_file = Path(path) / "config.json"
+        if config_file.exists() and json.loads(config_file.read_text()).get("model_type") == FLA_MODEL_TYPE:
+            model = load_fla_checkpoint(path, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return model, load_tokenizer(spec.tokenizer if checkpoint is None else None, path)
+    if spec.convert_from is not None:
+        model = convert_to_sse(spec.convert_from, torch_dtype=dtype, **spec.config_overrides)
+        return model, load_tokenizer(spec.tokenizer, spec.convert_from)
+    tokenizer = load_tokenizer(spec.tokenizer)
+    config = SSEConfig.from_preset(spec.preset, **{
+        "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **spec.config_overrides})
+    torch.manual_seed(seed)
+    return SSEForCausalLM(config).to(dtype), tokenizer

@@ -1,0 +1,179 @@
+"""Running recipes: the stages in order, each as a Ray task on the resources it needs, resumable.
+
+``ray.init()`` with no address starts a local cluster (the default); an address joins an existing one.
+Placement: on one GPU the rollout engines share the trainer's GPU and free their memory between rollouts;
+with more GPUs the trainer takes one and each engine one of the others. On CPU everything shares the cores.
+A stage whose ``final/`` model exists is skipped; an unfinished stage resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import ray
+import yaml
+
+from .checkpoints import is_done, save_final
+from .metrics import read_metrics
+from .models import load_model, resolve_device
+from .recipe import Recipe, recipe_to_dict
+
+logger = logging.getLogger(__name__)
+STAGES = ("distill", "grpo", "eval")
+
+
+def init_ray(recipe: Recipe, address: str | None = None) -> None:
+    if ray.is_initialized():
+        return
+    address = address or recipe.ray.address
+    if address:
+        ray.init(address=address, ignore_reinit_error=True)
+    else:
+        ray.init(num_cpus=recipe.ray.num_cpus, num_gpus=recipe.ray.num_gpus, include_dashboard=False,
+                 ignore_reinit_error=True, logging_level=logging.WARNING)
+
+
+def placement(recipe: Recipe) -> dict:
+    """Ray resources of the trainer task and of each engine actor."""
+    gpus = int(ray.cluster_resources().get("GPU", 0)) if resolve_device(recipe.device).type == "cuda" else 0
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    engines = recipe.grpo.num_engines
+    whole = {"num_cpus": cpus if gpus == 0 else 1, "num_gpus": min(gpus, 1)}  # distill, single-worker eval
+    if gpus == 0:
+        return {"whole": whole, "trainer": {"num_cpus": max(1, cpus - engines), "num_gpus": 0},
+                "engine": {"num_cpus": 1, "num_gpus": 0}, "colocated": False, "eval_gpus": 0}
+    if gpus == 1:
+        return {"whole": whole, "trainer": {"num_cpus": 1, "num_gpus": 0.5},
+                "engine": {"num_cpus": 1, "num_gpus": 0.5 / engines}, "colocated": True, "eval_gpus": 1}
+    if engines > gpus - 1:
+        raise ValueError(f"grpo.num_engines={engines} needs {engines + 1} GPUs (one for the trainer); "
+                         f"the cluster has {gpus}")
+    return {"whole": whole, "trainer": {"num_cpus": 1, "num_gpus": 1}, "engine": {"num_cpus": 1, "num_gpus": 1},
+            "colocated": False, "eval_gpus": 1}
+
+
+def _threads():
+    import torch
+
+    assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    torch.set_num_threads(max(1, int(assigned)))
+
+
+def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
+    from .stages.distill import run_distill
+
+    _threads()
+    return str(run_distill(recipe, Path(out_dir), Path(start_from) if start_from else None))
+
+
+def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: dict, colocated: bool) -> str:
+    from .rollout.actor import EngineFleet
+    from .stages.grpo import run_grpo
+
+    _threads()
+    cfg = recipe.grpo
+
+    def fleet_factory(path):
+        budget = int(cfg.engine.memory_budget_gb * 1024**3) if cfg.engine.memory_budget_gb else None
+        return EngineFleet(str(path), None, num_engines=cfg.num_engines, sleep_between_calls=colocated,
+                           max_slots=cfg.engine.max_slots, memory_budget=budget,
+                           max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+                           prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
+                           seed=recipe.seed, **engine_resources)
+
+    return str(run_grpo(recipe, Path(out_dir), Path(start_from), fleet_factory))
+
+
+def _eval_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> dict:
+    from .stages.evaluate import run_eval
+
+    _threads()
+    return run_eval(recipe, Path(out_dir), Path(checkpoint), eval_gpus if recipe.eval.num_workers > 1 else 0)
+
+
+def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
+    """The recipe's starting model as a directory (built from a preset or converted, once)."""
+    if recipe.model.path is not None:
+        return Path(recipe.model.path)
+    path = out / "initial"
+    if not is_done(path):
+        model, tokenizer = load_model(recipe.model, None, seed=recipe.seed)
+        save_final(model, tokenizer, path, {"stage": "initial", "from": recipe.model.preset or recipe.model.convert_from})
+    return path
+
+
+def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | None = None,
+               checkpoint: str | None = None) -> Path:
+    """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report."""
+    out = Path(recipe.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    init_ray(recipe, address)
+    where = placement(recipe)
+    logger.info("ray resources %s; placement %s", ray.cluster_resources(), where)
+    current = Path(checkpoint) if checkpoint else None
+    started = time.time()
+    timings = {}
+    for stage in stages:
+        config = getattr(recipe, stage)
+        if not config.enabled:
+            continue
+        stage_start = time.time()
+        stage_dir = out / stage
+        if stage == "distill":
+            task = ray.remote(**where["whole"])(_distill_task)
+            current = Path(ray.get(task.remote(recipe, str(stage_dir), str(current) if current else None)))
+        elif stage == "grpo":
+            start_from = current or initial_checkpoint(recipe, out)
+            task = ray.remote(**where["trainer"])(_grpo_task)
+            current = Path(ray.get(task.remote(recipe, str(stage_dir), str(start_from), where["engine"],
+                                               where["colocated"])))
+        elif stage == "eval":
+            model_dir = current or initial_checkpoint(recipe, out)
+            task = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_eval_task)
+            ray.get(task.remote(recipe, str(stage_dir), str(model_dir), where["eval_gpus"]))
+        timings[stage] = time.time() - stage_start
+    report = write_report(recipe, out, timings, time.time() - started)
+    return report
+
+
+def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path:
+    """``report.md``: what ran, where its outputs are, and the headline numbers."""
+    lines = [f"# {recipe.name}", "", f"Output directory: `{out}`", ""]
+    lines += ["| stage | seconds this run | final model | highlights |", "| --- | --- | --- | --- |"]
+    for stage in STAGES:
+        stage_dir = out / stage
+        if not stage_dir.exists():
+            continue
+        rows = read_metrics(stage_dir / "metrics.jsonl")
+        highlight = ""
+        if stage == "distill" and rows:
+            losses = [r["loss"] for r in rows if "loss" in r]
+            highlight = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
+        if stage == "grpo" and rows:
+            rewards = [r["reward"] for r in rows if "reward" in r]
+            if rewards:
+                k = max(1, len(rewards) // 5)
+                highlight = (f"reward (mean of first/last {k} logs) {sum(rewards[:k]) / k:.3f} -> "
+                             f"{sum(rewards[-k:]) / k:.3f}; curve: `grpo/reward_curve.png`")
+        if stage == "eval" and (stage_dir / "results.md").exists():
+            summary = json.loads((stage_dir / "summary.json").read_text())["benchmarks"]
+            parts = []
+            for name, m in summary.items():
+                n = m["samples_per_problem"]
+                parts.append(f"{name} avg@{n} {100 * m[f'avg@{n}']:.1f}%")
+            highlight = "; ".join(parts)
+        final = stage_dir / "final"
+        lines.append(f"| {stage} | {timings.get(stage, 0.0):.0f} | {'`' + str(final) + '`' if final.exists() else ''} | "
+                     f"{highlight} |")
+    if (out / "eval" / "results.md").exists():
+        lines += ["", "## Evaluation", "", (out / "eval" / "results.md").read_text(), "![eval](eval/results.png)"]
+    if (out / "grpo" / "reward_curve.png").exists():
+        lines += ["", "## GRPO", "", "![reward curve](grpo/reward_curve.png)"]
+    lines += ["", f"Total wall time of this run: {total:.0f} s.", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,84 @@
+"""Stage 1, distill: supervised fine-tuning on chat-formatted reasoning traces with TRL's ``SFTTrainer``.
+
+Loss on the assistant turns only; padding-free batches (with packing), which the SSE layers receive as
+``cu_seqlens`` so that no state crosses from one sample into the next. Checkpoints every ``save_steps``;
+re-running continues from the last complete one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..checkpoints import is_done, latest_complete_checkpoint, save_final
+from ..data import sft_dataset
+from ..metrics import MetricsLogger, plot_curves
+from ..models import load_model, resolve_device
+from ..recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+
+def sft_config(recipe: Recipe, out_dir: Path, device):
+    from trl import SFTConfig
+
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # read by transformers' callback
+    cfg = recipe.distill
+    bf16 = recipe.model.dtype == "bfloat16" and device.type == "cuda"
+    return SFTConfig(
+        output_dir=str(out_dir / "checkpoints"),
+        num_train_epochs=cfg.epochs,
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler,
+        warmup_steps=cfg.warmup_ratio,  # a float in [0, 1) is a fraction of the steps
+        weight_decay=cfg.weight_decay,
+        max_length=cfg.max_length if cfg.packing else None,  # TRL truncates only when packing
+        packing=cfg.packing,
+        padding_free=True,
+        assistant_only_loss=True,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=cfg.logging_steps,
+        save_steps=cfg.save_steps,
+        save_total_limit=cfg.save_total_limit,
+        bf16=bf16,
+        use_cpu=device.type == "cpu",
+        report_to=["tensorboard"],
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+
+
+def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> Path:
+    """Trains and returns the directory of the final model (``<out_dir>/final``)."""
+    from trl import SFTTrainer
+
+    out_dir = Path(out_dir)
+    final = out_dir / "final"
+    if is_done(final):
+        logger.info("distill: already done (%s)", final)
+        return final
+    device = resolve_device(recipe.device)
+    model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed)
+    dataset = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
+    trainer = SFTTrainer(
+        model=model.to(device),
+        args=sft_config(recipe, out_dir, device),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[MetricsLogger(out_dir / "metrics.jsonl")],
+    )
+    resume = latest_complete_checkpoint(out_dir / "checkpoints")
+    if resume is not None:
+        logger.info("distill: resuming from %s", resume)
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "learning_rate", "grad_norm"], "distill")
+    return save_final(trainer.model, tokenizer, final,
+                      {"stage": "distill", "global_step": trainer.state.global_step,
+                       "train_loss": result.training_loss, "samples": len(dataset)})

@@ -1,0 +1,56 @@
+"""Stage 3, eval: the benchmark harness (``eval/``), generation sharded over Ray workers, then scoring."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import ray
+
+from eval.generation import EngineBackend, HFGenerateBackend, SamplingConfig
+from eval.runner import generate, score
+
+from ..models import load_model, resolve_device
+from ..recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+
+def sampling_of(recipe: Recipe) -> SamplingConfig:
+    cfg = recipe.eval
+    return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                          seed=recipe.seed)
+
+
+def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[int, int]) -> None:
+    """Generation for one shard of every benchmark, with the rollout engine or ``model.generate``."""
+    cfg = recipe.eval
+    device = resolve_device(recipe.device)
+    model, tokenizer = load_model(recipe.model, checkpoint)
+    model = model.to(device).eval()
+    if cfg.backend == "engine":
+        from ..rollout import Engine
+
+        budget = int(cfg.engine.memory_budget_gb * 1024**3) if cfg.engine.memory_budget_gb else None
+        engine = Engine(model, tokenizer, max_slots=cfg.engine.max_slots, memory_budget=budget,
+                        max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+                        prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
+                        seed=recipe.seed)
+        backend = EngineBackend(engine)
+    else:
+        backend = HFGenerateBackend(model, tokenizer)
+    generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
+             instruction=recipe.prompt_instruction, shard=shard)
+
+
+def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worker: float = 0) -> dict:
+    out_dir = Path(out_dir)
+    workers = recipe.eval.num_workers
+    if workers <= 1:
+        generate_shard(recipe, str(checkpoint), str(out_dir), (0, 1))
+    else:
+        task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
+        ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
+    summary = score(out_dir, recipe.eval.benchmarks, recipe.eval.repeats, sampling_of(recipe), recipe.eval.limit)
+    logger.info("eval: wrote %s", out_dir / "results.md")
+    return summary
