@@ -33,8 +33,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("olympiadbench", "olympiadbench.jsonl", 4, "OlympiadBench, English text-only math (675)",
                   "QwenLM/Qwen2.5-Math"),
         Benchmark("gsm8k", "gsm8k_test.jsonl", 1, "GSM8K test (1319)", "QwenLM/Qwen2.5-Math"),
-        Benchmark("arithmetic", "arithmetic.jsonl", 4, "synthetic a+b+c sums for the CPU demo (200)",
-                  "pipeline.data.arithmetic_records(200, seed=12345)"),
+        Benchmark("arithmetic", "arithmetic.jsonl", 4, "synthetic a+b sums for the CPU demo (200)",
+                  "pipeline.data.arithmetic_records(200, seed=12345, terms=2)"),
     )
 }
 PAPER_BENCHMARKS = ("aime24", "aime25", "math500", "amc23", "olympiadbench")

@@ -21,8 +21,10 @@ from .recipe import DataSpec
 PACKAGED = {p.stem: p for p in DATA_DIR.glob("*.jsonl")}
 
 
-def arithmetic_records(n: int, seed: int = 0, terms: int = 3) -> list[dict]:
-    """``a+b+c`` over single digits, with a short worked solution ending in ``\\boxed{}``."""
+def arithmetic_records(n: int, seed: int = 0, terms: int = 3, boxed: float = 1.0) -> list[dict]:
+    """Sums of ``terms`` single digits with a short worked solution. A fraction ``boxed`` of the solutions
+    end in ``\\boxed{}``, the others in "Answer: X": a model distilled on the mix writes either, and GRPO with
+    a strict boxed-answer reward has a format to learn besides the arithmetic."""
     rng = random.Random(seed)
     records = []
     for i in range(n):
@@ -31,18 +33,37 @@ def arithmetic_records(n: int, seed: int = 0, terms: int = 3) -> list[dict]:
         for x in xs[1:]:
             steps.append(f"{partial}+{x}={partial + x}")
             partial += x
+        final = f"\\boxed{{{partial}}}" if boxed >= 1 or rng.random() < boxed else f"Answer: {partial}"
         records.append({"id": f"arith-{seed}-{i}", "problem": "+".join(map(str, xs)) + "=?",
-                        "answer": str(partial), "solution": ", ".join(steps) + f". \\boxed{{{partial}}}"})
+                        "answer": str(partial), "solution": ", ".join(steps) + f". {final}"})
     return records
+
+
+BUILTIN_PARAMS = {"n": int, "terms": int, "boxed": float}
+
+
+def builtin_records(source: str, spec: DataSpec) -> list[dict]:
+    """``builtin:arithmetic?terms=2&boxed=0.5&n=1000`` (all parameters optional)."""
+    kind, _, query = source[len("builtin:"):].partition("?")
+    if kind != "arithmetic":
+        raise ValueError(f"data source {source!r}: unknown builtin {kind!r} (available: arithmetic)")
+    params = {}
+    for item in filter(None, query.split("&")):
+        key, _, value = item.partition("=")
+        if key not in BUILTIN_PARAMS:
+            raise ValueError(f"data source {source!r}: unknown parameter {key!r} (known: {sorted(BUILTIN_PARAMS)})")
+        try:
+            params[key] = BUILTIN_PARAMS[key](value)
+        except ValueError:
+            raise ValueError(f"data source {source!r}: {key}={value!r} is not a valid {BUILTIN_PARAMS[key].__name__}")
+    n = params.pop("n", spec.max_samples or 2000)
+    return arithmetic_records(n, seed=spec.seed, **params)
 
 
 def _load_records(spec: DataSpec) -> list[dict]:
     source = spec.source
     if source.startswith("builtin:"):
-        kind, _, count = source[len("builtin:"):].partition("?n=")
-        if kind != "arithmetic":
-            raise ValueError(f"data source {source!r}: unknown builtin {kind!r} (available: arithmetic)")
-        return arithmetic_records(int(count or spec.max_samples or 2000), seed=spec.seed)
+        return builtin_records(source, spec)
     if source in PACKAGED:
         return _read_records(PACKAGED[source])
     if Path(source).exists():

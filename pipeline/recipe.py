@@ -81,6 +81,7 @@ class EngineConfig:
 class RewardConfig:
     accuracy: float = 1.0
     format: float = 0.0
+    format_min_reasoning_chars: int = 20  # non-space characters the format reward wants before the box
     overlong: float = 0.0
     overlong_cache: int = 4096
     strict_boxed: bool = False

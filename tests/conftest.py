@@ -11,3 +11,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+if not torch.cuda.is_available():
+    # the Triton kernels run on CPU through Triton's interpreter (set before kernels are imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -2,7 +2,7 @@
 
 import torch
 
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

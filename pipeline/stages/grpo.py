@@ -104,7 +104,7 @@ def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier):
         funcs.append(timed(AccuracyReward(verifier), timer, "accuracy"))
         weights.append(cfg.accuracy)
     if cfg.format:
-        funcs.append(timed(FormatReward(), timer, "format"))
+        funcs.append(timed(FormatReward(cfg.format_min_reasoning_chars), timer, "format"))
         weights.append(cfg.format)
     if cfg.overlong:
         cache = min(cfg.overlong_cache, recipe.grpo.max_completion_length)

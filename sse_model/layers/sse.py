@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from ..cache import LinearLayerState
 from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, feature_map, row_topk_softmax
 from ..ops.delta_rule import l2norm
-from ..ops.dispatch import sse_attention, sse_decode
-from ..ops.sse import Branch, Routing, SSEOptions, route
+from ..ops.dispatch import route_tokens, sse_attention, sse_decode
+from ..ops.sse import Branch, Routing, SSEOptions
 from .common import ForwardContext, zero_padding
 from .linear import gdn_gates, init_gdn_decay, output_projection
 
@@ -143,7 +143,7 @@ class SSEAttention(nn.Module):
         sparse = Branch(q_sparse, *(zero_padding(t, mask) for t in (k_sparse, g_sparse, beta_sparse)))
         v = zero_padding(v, mask)
 
-        routing = route(self.e_proj(x), cfg.num_writers, cfg.num_readers)
+        routing = route_tokens(self.e_proj(x), cfg.num_writers, cfg.num_readers)
         if pool is not None:  # one token per sequence, partitions updated in place
             token = Routing(routing.probs[:, 0], routing.topk[:, 0], routing.num_writers, routing.num_readers)
             o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options)[:, None]

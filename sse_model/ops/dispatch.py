@@ -16,7 +16,7 @@ import torch
 
 from .delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 from .gla import chunk_gla, gla_step, recurrent_gla
-from .sse import Branch, Routing, SSEOptions, sse_decode_step, sse_masked, sse_recurrent, sse_varlen
+from .sse import Branch, Routing, SSEOptions, route, sse_decode_step, sse_masked, sse_recurrent, sse_varlen
 
 SSE_IMPLEMENTATIONS = ("auto", "recurrent", "mask", "varlen")
 LINEAR_MODES = ("auto", "recurrent", "chunk")
@@ -51,7 +51,7 @@ def torch_linear_op(transition: str, mode: str = "chunk", chunk_size: int = 16) 
 class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
-    ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below."""
+    ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -59,6 +59,7 @@ class Backend:
     sse: Callable | None = None
     sse_decode: Callable | None = None
     linear_decode: Callable | None = None
+    route: Callable | None = None
 
 
 _BACKENDS: list[Backend] = []
@@ -68,9 +69,26 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS[:] = [b for b in _BACKENDS if b.name != backend.name] + [backend]
 
 
+_kernels_imported = False
+
+
+def _import_kernels() -> None:
+    """The Triton kernels register themselves on import; CPU-only runs never import Triton."""
+    global _kernels_imported
+    if not _kernels_imported:
+        _kernels_imported = True
+        try:
+            from kernels import register
+        except ImportError:
+            return
+        register()
+
+
 def active_backend(x: torch.Tensor) -> Backend | None:
     if os.environ.get("SSE_BACKEND", "").lower() == "torch":
         return None
+    if x.is_cuda:
+        _import_kernels()
     for backend in reversed(_BACKENDS):
         if backend.supports(x):
             return backend
@@ -144,6 +162,14 @@ def sse_attention(
     return impl(shared, sparse, v, routing, opts, op, **kw)
 
 
+def route_tokens(router_logits: torch.Tensor, num_writers: int, num_readers: int) -> Routing:
+    """Router probabilities and top-k ranking through the dispatch point (see :func:`~sse_model.ops.sse.route`)."""
+    backend = active_backend(router_logits)
+    if backend is not None and backend.route is not None and router_logits.dtype != torch.float64:
+        return backend.route(router_logits, num_writers, num_readers)
+    return route(router_logits, num_writers, num_readers)
+
+
 def sse_decode(pool, slots, shared: Branch, sparse: Branch, v, routing: Routing, opts: SSEOptions) -> torch.Tensor:
     """One SSE token per sequence, states updated in place in rows ``slots`` of ``pool``; see
     :func:`~sse_model.ops.sse.sse_decode_step` for shapes."""
@@ -177,6 +203,7 @@ __all__ = [
     "linear_attention",
     "linear_decode",
     "register_backend",
+    "route_tokens",
     "select_linear_op",
     "sse_attention",
     "sse_decode",

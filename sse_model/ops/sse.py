@@ -112,11 +112,12 @@ def gate_partition(sparse: Branch, v: torch.Tensor, read_w, write_w, write_mask,
     get zero key, value, log-decay and beta, so the linear op leaves their state untouched.
     """
     r, w, m = (x[..., None, None] for x in (read_w, write_w, write_mask))
-    q = sparse.q * r
+    # the gates are float32; gated inputs keep the inputs' dtype (bf16 stays bf16 for the chunk kernels)
+    q = (sparse.q * r).to(sparse.q.dtype)
     if opts.transition == "gdn" and opts.gate_target == "value":
-        k, v = sparse.k * m, v * w
+        k, v = (sparse.k * m).to(sparse.k.dtype), (v * w).to(v.dtype)
     else:
-        k, v = sparse.k * w, v * m
+        k, v = (sparse.k * w).to(sparse.k.dtype), (v * m).to(v.dtype)
     if opts.transition == "gla":
         return q, k, v, sparse.g * m, None
     return q, k, v, sparse.g * m[..., 0], sparse.beta * m[..., 0]
@@ -273,27 +274,41 @@ def sse_masked(
 
 @dataclass
 class VarlenPlan:
-    """The reorder of (token, partition) pairs into one varlen segment per (sequence, partition)."""
+    """The reorder of (token, partition) pairs into one varlen segment per (sequence, partition).
+
+    Built by a counting sort: the rank of a pair inside its segment is the number of earlier tokens of the
+    same sequence that chose the same partition, a cumulative sum over a one-hot ``[L, N]``; no sort and no
+    Python loop over partitions or sequences. Within a segment, tokens keep their order.
+    """
 
     token: torch.Tensor  # [P] source token of each reordered pair
     partition: torch.Tensor  # [P] its partition (0..N-1)
     cu_seqlens: torch.Tensor  # [S * N + 1] segment offsets, sequence-major then partition
+    position: torch.Tensor  # [L, Kmax] where token t's j-th ranked partition went (inverse of the reorder)
 
     @classmethod
     def build(cls, topk: torch.Tensor, cu_seqlens: torch.Tensor, num_partitions: int) -> "VarlenPlan":
-        """``topk``: ``[L, Kmax]`` partitions of each packed token. No Python loop over partitions."""
+        """``topk``: ``[L, Kmax]`` distinct partitions of each packed token."""
         L, Kmax = topk.shape
         device = topk.device
         cu = cu_seqlens.long()
         num_seqs = cu.numel() - 1
-        token = torch.arange(L, device=device).repeat_interleave(Kmax)
-        partition = topk.reshape(-1).long()
-        seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), cu[1:] - cu[:-1])[token]
-        segment = seq * num_partitions + partition
-        order = torch.argsort(segment * L + token)
-        counts = torch.bincount(segment, minlength=num_seqs * num_partitions)
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        return cls(token[order], partition[order], offsets)
+        topk = topk.long()
+        # partition-major [N, L + 1]: the scan runs along the contiguous dimension (a scan over dim 0 of
+        # [L, N] parallelises over only N columns on CUDA and is ~100x slower)
+        onehot = torch.zeros(num_partitions, L + 1, dtype=torch.int32, device=device)
+        onehot[:, 1:].scatter_(0, topk.t(), 1)
+        before = onehot.cumsum(1).t()  # [L + 1, N]: pairs of each partition among tokens < t
+        counts = before[cu[1:]] - before[cu[:-1]]  # [S, N]
+        offsets = torch.cat([counts.new_zeros(1), counts.reshape(-1).cumsum(0)])
+        seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), cu[1:] - cu[:-1], output_size=L)
+        rank = before[:-1].gather(1, topk) - before[cu[seq]].gather(1, topk)  # [L, Kmax]
+        position = offsets[seq[:, None] * num_partitions + topk] + rank
+        token = torch.empty(L * Kmax, dtype=torch.long, device=device)
+        partition = torch.empty_like(token)
+        token[position.reshape(-1)] = torch.arange(L, device=device).repeat_interleave(Kmax)
+        partition[position.reshape(-1)] = topk.reshape(-1)
+        return cls(token, partition, offsets, position)
 
 
 def sse_varlen(
@@ -348,7 +363,7 @@ def sse_varlen(
         use_qk_l2norm=opts.qk_l2norm,
     )
     o = o[0]
-    out = o[:L].index_add(0, plan.token, o[L:])
+    out = o[:L] + o[L:][plan.position].sum(1)  # a gather per token: deterministic, no atomics
     if state is not None:
         state = torch.cat([state[:num_seqs, None], state[num_seqs:].reshape(num_seqs, N, H, K, V)], dim=1)
     return out.reshape(B, T, H, V).to(v.dtype), state

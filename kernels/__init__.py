@@ -1,0 +1,21 @@
+"""Triton kernels for SSE models: the ``triton`` backend of :mod:`sse_model.ops.dispatch`.
+
+:func:`sse_model.ops.dispatch.active_backend` calls :func:`register` the first time it sees a CUDA tensor.
+What runs where:
+
+- routing (router softmax + top-k): :mod:`kernels.routing`;
+- decode (one token for a batch of sequences in a state pool; SSE, GLA and gated delta rule):
+  :mod:`kernels.decode`;
+- chunked training / prefill: the SSE-specific part (routing, the counting-sort reorder of Algorithm 2,
+  the gather back per token) is ours; the inner chunked GLA / gated-delta-rule kernels are fla's
+  (``flash-linear-attention``) when it is installed, else the PyTorch chunked ops of this package.
+
+This module imports nothing heavy: transformers probes for a package named ``kernels`` (the Hugging Face
+hub-kernels library) while it initialises, and must find nothing here that imports transformers back.
+"""
+
+
+def register() -> None:
+    from .backend import register as _register
+
+    _register()

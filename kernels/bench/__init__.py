@@ -1,0 +1,1 @@
+"""GPU benchmarks of the kernels (see ``bench_sse.py``)."""

@@ -1,0 +1,38 @@
+"""Where the time of one SSE varlen forward goes: the top CUDA kernels under ``torch.profiler``.
+
+    python -m kernels.bench.profile_sse [--T 32768 --B 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .bench_sse import limit_autotune, sse_call, sse_inputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--T", type=int, default=32768)
+    parser.add_argument("--B", type=int, default=4)
+    parser.add_argument("--impl", default="varlen")
+    args = parser.parse_args()
+    limit_autotune()
+    import kernels
+
+    kernels.register()
+    run = sse_call(sse_inputs(args.B, args.T, 4), args.impl)
+    with torch.no_grad():
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
