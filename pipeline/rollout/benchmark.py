@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, default=256)
     parser.add_argument("--long", type=int, default=32768)
     args = parser.parse_args()
+    from kernels.bench.bench_sse import limit_autotune
+
+    limit_autotune()  # fla's prefill kernels: first autotune config only (compile time; see bench_sse)
     import kernels
 
     kernels.register()
