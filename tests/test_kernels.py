@@ -9,7 +9,7 @@ import torch
 
 from sse_model.ops.dispatch import linear_decode
 from sse_model.ops.sse import Branch, SSEOptions, route, sse_decode_step
-from tests.helpers import assert_close
+from helpers import assert_close
 
 triton = pytest.importorskip("triton")
 decode = pytest.importorskip("kernels.decode")
