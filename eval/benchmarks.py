@@ -34,7 +34,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                   "QwenLM/Qwen2.5-Math"),
         Benchmark("gsm8k", "gsm8k_test.jsonl", 1, "GSM8K test (1319)", "QwenLM/Qwen2.5-Math"),
         Benchmark("arithmetic", "arithmetic.jsonl", 4, "synthetic a+b sums for the CPU demo (200)",
-                  "pipeline.data.arithmetic_records(200, seed=12345, terms=2)"),
+                  "pipeline.synthetic.arithmetic_records(200, seed=12345, terms=2)"),
+        Benchmark("word_problems", "word_problems.jsonl", 4, "synthetic GSM8K-style word problems (300)",
+                  "pipeline.synthetic.word_problem_records(300, seed=12345, steps=2, max_steps=3)"),
     )
 }
 PAPER_BENCHMARKS = ("aime24", "aime25", "math500", "amc23", "olympiadbench")

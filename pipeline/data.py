@@ -1,7 +1,7 @@
 """Datasets of the stages: chat-formatted reasoning traces (distill) and prompts with answers (GRPO).
 
-Sources (a :class:`~pipeline.recipe.DataSpec`): ``builtin:arithmetic`` (synthetic sums with worked
-solutions, for the CPU demo and tests), a set packaged with ``eval/data`` (``math_train``,
+Sources (a :class:`~pipeline.recipe.DataSpec`): ``builtin:arithmetic`` or ``builtin:word_problems``
+(synthetic problems with worked solutions, :mod:`pipeline.synthetic`), a set packaged with ``eval/data`` (``math_train``,
 ``aime_1983_2023``, ``gsm8k_test``, ...), a local JSONL/JSON/parquet file, or a Hugging Face hub name
 (e.g. ``open-r1/OpenR1-Math-220k``) where the hub is reachable.
 """
@@ -17,47 +17,32 @@ from eval.benchmarks import DATA_DIR, _read_records
 from eval.generation import INSTRUCTION
 
 from .recipe import DataSpec
+from .synthetic import BUILTINS, arithmetic_records, word_problem_records  # noqa: F401 - public names
 
 PACKAGED = {p.stem: p for p in DATA_DIR.glob("*.jsonl")}
 
 
-def arithmetic_records(n: int, seed: int = 0, terms: int = 3, boxed: float = 1.0) -> list[dict]:
-    """Sums of ``terms`` single digits with a short worked solution. A fraction ``boxed`` of the solutions
-    end in ``\\boxed{}``, the others in "Answer: X": a model distilled on the mix writes either, and GRPO with
-    a strict boxed-answer reward has a format to learn besides the arithmetic."""
-    rng = random.Random(seed)
-    records = []
-    for i in range(n):
-        xs = [rng.randint(0, 9) for _ in range(terms)]
-        partial, steps = xs[0], []
-        for x in xs[1:]:
-            steps.append(f"{partial}+{x}={partial + x}")
-            partial += x
-        final = f"\\boxed{{{partial}}}" if boxed >= 1 or rng.random() < boxed else f"Answer: {partial}"
-        records.append({"id": f"arith-{seed}-{i}", "problem": "+".join(map(str, xs)) + "=?",
-                        "answer": str(partial), "solution": ", ".join(steps) + f". {final}"})
-    return records
-
-
-BUILTIN_PARAMS = {"n": int, "terms": int, "boxed": float}
-
-
 def builtin_records(source: str, spec: DataSpec) -> list[dict]:
-    """``builtin:arithmetic?terms=2&boxed=0.5&n=1000`` (all parameters optional)."""
+    """``builtin:arithmetic?terms=2&boxed=0.5&n=1000`` or ``builtin:word_problems?steps=2&max_steps=4``
+    (all parameters optional; see :mod:`pipeline.synthetic`)."""
     kind, _, query = source[len("builtin:"):].partition("?")
-    if kind != "arithmetic":
-        raise ValueError(f"data source {source!r}: unknown builtin {kind!r} (available: arithmetic)")
+    if kind not in BUILTINS:
+        raise ValueError(f"data source {source!r}: unknown builtin {kind!r} (available: {', '.join(BUILTINS)})")
+    make, known = BUILTINS[kind]
     params = {}
     for item in filter(None, query.split("&")):
         key, _, value = item.partition("=")
-        if key not in BUILTIN_PARAMS:
-            raise ValueError(f"data source {source!r}: unknown parameter {key!r} (known: {sorted(BUILTIN_PARAMS)})")
+        if key not in known:
+            raise ValueError(f"data source {source!r}: unknown parameter {key!r} (known: {sorted(known)})")
         try:
-            params[key] = BUILTIN_PARAMS[key](value)
+            params[key] = known[key](value)
         except ValueError:
-            raise ValueError(f"data source {source!r}: {key}={value!r} is not a valid {BUILTIN_PARAMS[key].__name__}")
+            raise ValueError(f"data source {source!r}: {key}={value!r} is not a valid {known[key].__name__}")
     n = params.pop("n", spec.max_samples or 2000)
-    return arithmetic_records(n, seed=spec.seed, **params)
+    try:
+        return make(n, seed=spec.seed, **params)
+    except ValueError as err:
+        raise ValueError(f"data source {source!r}: {err}") from err
 
 
 def _load_records(spec: DataSpec) -> list[dict]:

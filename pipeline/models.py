@@ -62,3 +62,15 @@ def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int 
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **spec.config_overrides})
     torch.manual_seed(seed)
     return SSEForCausalLM(config).to(dtype), tokenizer
+
+
+def use_bf16(recipe, device: torch.device) -> bool:
+    """TRL's ``bf16`` flag for a stage: the recipe's ``bf16``, by default on for CUDA (weights stay in
+    ``model.dtype``; float32 weights with bf16 autocast is the usual mixed precision)."""
+    if device.type != "cuda":
+        return False
+    return recipe.bf16 if recipe.bf16 is not None else recipe.model.dtype != "float16"
+
+
+def engine_dtype(engine_config, model_dtype: str) -> torch.dtype:
+    return DTYPES[engine_config.dtype or model_dtype]

@@ -75,6 +75,8 @@ class EngineConfig:
     memory_budget_gb: float | None = None
     prefill_chunk_size: int = 2048
     use_cuda_graphs: bool | None = None
+    dtype: str | None = None  # the engine's weights (float32, bfloat16, float16); default: the model's
+    sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
 
 
 @dataclass
@@ -148,6 +150,7 @@ class Recipe:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     prompt_instruction: str = INSTRUCTION  # appended to every problem, in training and evaluation
+    bf16: bool | None = None  # bf16 autocast in training (TRL's ``bf16``); default: on CUDA unless model.dtype is float16
     model: ModelSpec = field(default_factory=ModelSpec)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
@@ -163,6 +166,9 @@ class Recipe:
             fail("model", "give exactly one of path, preset, convert_from")
         if m.dtype not in ("float32", "bfloat16", "float16"):
             fail("model.dtype", f"expected float32, bfloat16 or float16, got {m.dtype!r}")
+        for key, engine in (("grpo.engine", self.grpo.engine), ("eval.engine", self.eval.engine)):
+            if engine.dtype not in (None, "float32", "bfloat16", "float16"):
+                fail(f"{key}.dtype", f"expected float32, bfloat16 or float16, got {engine.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", f"expected auto, cpu or cuda, got {self.device!r}")
         g = self.grpo

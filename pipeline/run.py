@@ -18,7 +18,7 @@ import yaml
 
 from .checkpoints import is_done, save_final
 from .metrics import read_metrics
-from .models import load_model, resolve_device
+from .models import engine_dtype, load_model, resolve_device
 from .recipe import Recipe, recipe_to_dict
 
 logger = logging.getLogger(__name__)
@@ -78,11 +78,12 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
 
     def fleet_factory(path):
         budget = int(cfg.engine.memory_budget_gb * 1024**3) if cfg.engine.memory_budget_gb else None
-        return EngineFleet(str(path), None, num_engines=cfg.num_engines, sleep_between_calls=colocated,
+        return EngineFleet(str(path), None, num_engines=cfg.num_engines,
+                           sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            max_slots=cfg.engine.max_slots, memory_budget=budget,
                            max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
                            prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
-                           seed=recipe.seed, **engine_resources)
+                           dtype=engine_dtype(cfg.engine, recipe.model.dtype), seed=recipe.seed, **engine_resources)
 
     return str(run_grpo(recipe, Path(out_dir), Path(start_from), fleet_factory))
 
@@ -140,6 +141,21 @@ def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | 
     return report
 
 
+def time_split(rows: list[dict]) -> list[str]:
+    """Mean seconds per GRPO step in rollout / reward / weight sync / train, as a markdown table."""
+    parts = ("rollout", "reward", "weight_sync", "train")
+    rows = [r for r in rows if "time/step_s" in r and "time/rollout_s" in r]
+    if not rows:
+        return []
+    mean = {p: sum(r.get(f"time/{p}_s", 0.0) for r in rows) / len(rows) for p in ("step", *parts)}
+    rate = [r["tokens/generated_per_s"] for r in rows if "tokens/generated_per_s" in r]
+    header = "| steps | s/step | " + " | ".join(parts) + " | generated tok/s (rollout) |"
+    cells = " | ".join(f"{mean[p]:.2f} s ({100 * mean[p] / max(mean['step'], 1e-9):.0f}%)" for p in parts)
+    rate_text = f"{sum(rate) / len(rate):,.0f}" if rate else ""
+    return ["Time per step (mean over logged steps):", "", header, "|" + " --- |" * (len(parts) + 3),
+            f"| {len(rows)} | {mean['step']:.2f} | {cells} | {rate_text} |", ""]
+
+
 def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path:
     """``report.md``: what ran, where its outputs are, and the headline numbers."""
     lines = [f"# {recipe.name}", "", f"Output directory: `{out}`", ""]
@@ -172,7 +188,8 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
     if (out / "eval" / "results.md").exists():
         lines += ["", "## Evaluation", "", (out / "eval" / "results.md").read_text(), "![eval](eval/results.png)"]
     if (out / "grpo" / "reward_curve.png").exists():
-        lines += ["", "## GRPO", "", "![reward curve](grpo/reward_curve.png)"]
+        lines += ["", "## GRPO", "", *time_split(read_metrics(out / "grpo" / "metrics.jsonl")),
+                  "![reward curve](grpo/reward_curve.png)"]
     lines += ["", f"Total wall time of this run: {total:.0f} s.", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))

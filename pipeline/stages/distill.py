@@ -14,7 +14,7 @@ from pathlib import Path
 from ..checkpoints import is_done, latest_complete_checkpoint, save_final
 from ..data import sft_dataset
 from ..metrics import MetricsLogger, plot_curves
-from ..models import load_model, resolve_device
+from ..models import load_model, resolve_device, use_bf16
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def sft_config(recipe: Recipe, out_dir: Path, device):
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # read by transformers' callback
     cfg = recipe.distill
-    bf16 = recipe.model.dtype == "bfloat16" and device.type == "cuda"
+    bf16 = use_bf16(recipe, device)
     return SFTConfig(
         output_dir=str(out_dir / "checkpoints"),
         num_train_epochs=cfg.epochs,

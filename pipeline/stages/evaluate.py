@@ -10,7 +10,7 @@ import ray
 from eval.generation import EngineBackend, HFGenerateBackend, SamplingConfig
 from eval.runner import generate, score
 
-from ..models import load_model, resolve_device
+from ..models import engine_dtype, load_model, resolve_device
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[i
         engine = Engine(model, tokenizer, max_slots=cfg.engine.max_slots, memory_budget=budget,
                         max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
-                        seed=recipe.seed)
+                        dtype=engine_dtype(cfg.engine, recipe.model.dtype), seed=recipe.seed)
         backend = EngineBackend(engine)
     else:
         backend = HFGenerateBackend(model, tokenizer)

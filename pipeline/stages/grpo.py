@@ -26,7 +26,7 @@ from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty,
 from ..checkpoints import is_done, latest_complete_checkpoint, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
-from ..models import load_model, resolve_device
+from ..models import load_model, resolve_device, use_bf16
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 
@@ -155,7 +155,7 @@ def grpo_config(recipe: Recipe, out_dir: Path, device):
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # read by transformers' callback
     cfg = recipe.grpo
-    bf16 = recipe.model.dtype == "bfloat16" and device.type == "cuda"
+    bf16 = use_bf16(recipe, device)
     batch = cfg.prompts_per_step * cfg.num_generations
     return GRPOConfig(
         output_dir=str(out_dir / "checkpoints"),
