@@ -83,7 +83,8 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
                            max_slots=cfg.engine.max_slots, memory_budget=budget,
                            max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
                            prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
-                           dtype=engine_dtype(cfg.engine, recipe.model.dtype), seed=recipe.seed, **engine_resources)
+                           device=resolve_device(recipe.device).type, dtype=engine_dtype(cfg.engine, recipe.model.dtype),
+                           seed=recipe.seed, **engine_resources)
 
     return str(run_grpo(recipe, Path(out_dir), Path(start_from), fleet_factory))
 

@@ -198,3 +198,18 @@ def test_ray_fleet_matches_local_engine(model, tokenizer):
         fleet.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_engine_from_checkpoint_directory(model, tokenizer, tmp_path):
+    """A checkpoint path loads on the accelerator when there is one (the Ray actors of GRPO build their
+    engines this way), in the dtype asked for, and generates like the model it was saved from."""
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = Engine(str(tmp_path), max_slots=2, max_model_len=96, dtype=torch.bfloat16)
+    stats = engine.get_stats()
+    assert stats["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and stats["dtype"] == "bfloat16"
+    full = Engine(str(tmp_path), max_slots=2, max_model_len=96)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    local = make_engine(model, tokenizer).generate(PROMPTS[0], params)[0].outputs[0]
+    loaded = full.generate(PROMPTS[0], params)[0].outputs[0]
+    assert loaded.token_ids == local.token_ids and loaded.text == local.text

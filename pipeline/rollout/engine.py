@@ -132,6 +132,8 @@ class Engine:
 
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32)
+            if device is None:  # a checkpoint loads on the CPU: serve it from the GPU when there is one
+                device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(device=device, dtype=dtype or next(model.parameters()).dtype).eval()
         self.tokenizer = tokenizer
@@ -445,6 +447,6 @@ class Engine:
 
     def get_stats(self) -> dict:
         stats = self.stats.as_dict(self.max_slots)
-        stats.update(max_slots=self.max_slots, per_slot_bytes=self.per_slot_bytes, weights_version=self.weights_version,
+        stats.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), max_slots=self.max_slots, per_slot_bytes=self.per_slot_bytes, weights_version=self.weights_version,
                      running=len(self.running), waiting=len(self.waiting) + len(self.prefilling))
         return stats

@@ -207,6 +207,12 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                             strict=recipe.grpo.rewards.strict_boxed)
     funcs, weights = build_rewards(recipe, timer, verifier)
     fleet = fleet_factory(start_from)
+    engines = fleet.get_stats()
+    logger.info("grpo: %d engine(s): %s", len(engines),
+                [{k: e[k] for k in ("device", "dtype", "max_slots")} for e in engines])
+    if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
+        raise RuntimeError("grpo: the trainer is on CUDA but a rollout engine runs on the CPU; check the Ray GPU "
+                           "resources (ray.num_gpus) and grpo.engine")
     args = grpo_config(recipe, out_dir, device)
     args.reward_weights = weights
     trainer = make_trainer_class()(
