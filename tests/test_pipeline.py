@@ -26,6 +26,11 @@ def test_recipes_validate_and_name_bad_keys(tmp_path):
     assert paper.distill.epochs == 5 and paper.eval.repeats == 32 and paper.eval.top_p == 0.7
     assert sorted(paper.eval.benchmarks) == ["aime24", "aime25", "amc23", "math500", "olympiadbench"]
     assert load_recipe("demo", ["grpo.steps=3"]).grpo.steps == 3
+    gpu = load_recipe("gpu-100m")
+    assert gpu.device == "cuda" and gpu.grpo.engine.dtype == "bfloat16" and gpu.grpo.engine.sleep is False
+    assert gpu.eval.benchmarks == ["word_problems", "gsm8k"]
+    with pytest.raises(RecipeError, match="grpo.engine.dtype: expected float32, bfloat16 or float16"):
+        load_recipe("demo", ["grpo.engine.dtype=bf16"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {preset: sse-h-tiny}\ngrpo:\n  num_generaitons: 8\n")
     with pytest.raises(RecipeError, match=r"bad.yaml: grpo.num_generaitons: unknown key \(did you mean num_generations"):
