@@ -150,3 +150,33 @@ def test_unselected_partitions_are_bit_identical(variant):
 def test_route_checks_k():
     with pytest.raises(ValueError, match="num_writers"):
         route(torch.randn(2, 3, 4), 5, 1)
+
+
+def test_auto_implementation_follows_the_linear_op(monkeypatch):
+    """Short sequences take the masking path only with accelerated chunk kernels; a backend that falls back to
+    the PyTorch ops (e.g. CUDA without fla) takes varlen, which does N+1 / K+1 times less of that work."""
+    from sse_model.ops import dispatch
+
+    chosen = []
+    for name in ("sse_masked", "sse_varlen"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _real=real, _name=name, **kw: chosen.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(dispatch, "_BACKENDS", [])
+    opts = SSEOptions(transition="gla")
+    tensors = make_inputs(1, 12, 2, 4, 4, 4, "gla", torch.float64)
+    shared, sparse = Branch(*tensors[:3]), Branch(*tensors[3:6])
+    v, logits, h0 = tensors[6:]
+
+    def run():
+        return dispatch.sse_attention(shared, sparse, v, route(logits, 1, 1), opts, initial_state=h0)[0]
+
+    reference = run()  # no backend: PyTorch ops
+    dispatch.register_backend(dispatch.Backend("no-kernels", lambda x: True, lambda transition, mode: None))
+    fallback = run()
+    reference_op = torch_linear_op("gla", "chunk")
+    dispatch.register_backend(dispatch.Backend("kernels", lambda x: True,
+                                               lambda transition, mode: lambda *a, **kw: reference_op(*a, **kw)))
+    accelerated = run()
+    assert chosen == ["sse_varlen", "sse_varlen", "sse_masked"]
+    assert_close(fallback, reference, torch.float64)
+    assert_close(accelerated, reference, torch.float64)

@@ -35,6 +35,7 @@ def _uniform(transition: str, fn: Callable, **fixed) -> Callable:
             return fn(q, k, v, g, **kw)
         return fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, **kw)
 
+    op.is_reference = True  # the PyTorch ops: what choose_sse_implementation calls not accelerated
     return op
 
 
@@ -153,11 +154,13 @@ def sse_attention(
     if implementation == "recurrent":
         return sse_recurrent(shared, sparse, v, routing, opts, **kw)
     seq_len = v.shape[1] if cu_seqlens is None else int(v.shape[1] / max(cu_seqlens.numel() - 1, 1))
-    if implementation == "auto":
-        implementation = choose_sse_implementation(
-            seq_len, routing.num_partitions, max(routing.num_writers, routing.num_readers), backend is not None
-        )
     op = select_linear_op(opts.transition, v, mode, chunk_size)
+    if implementation == "auto":
+        # A backend without its own chunked kernels (e.g. CUDA without fla) runs the PyTorch ops: varlen.
+        accelerated = not getattr(op, "is_reference", False)
+        implementation = choose_sse_implementation(
+            seq_len, routing.num_partitions, max(routing.num_writers, routing.num_readers), accelerated
+        )
     impl = sse_masked if implementation == "mask" else sse_varlen
     return impl(shared, sparse, v, routing, opts, op, **kw)
 
