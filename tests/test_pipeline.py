@@ -69,6 +69,8 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     for key in ("time/rollout_s", "time/reward_s", "time/train_s", "entropy", "completions/mean_length"):
         assert key in row, key
     assert abs(row["sampling/sampling_logp_difference/mean"]) < 1e-3  # the engine samples from the policy
+    engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
+    assert [e["device"] for e in engines] == ["cpu"] and engines[0]["weights_version"] == 0
 
 
 def test_grpo_resumes_after_sigkill(distilled, tmp_path):

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -208,6 +209,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     funcs, weights = build_rewards(recipe, timer, verifier)
     fleet = fleet_factory(start_from)
     engines = fleet.get_stats()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "engines.json").write_text(json.dumps(engines, indent=1))
     logger.info("grpo: %d engine(s): %s", len(engines),
                 [{k: e[k] for k in ("device", "dtype", "max_slots")} for e in engines])
     if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
