@@ -17,7 +17,7 @@ from eval.benchmarks import DATA_DIR, _read_records
 from eval.generation import INSTRUCTION
 
 from .recipe import DataSpec
-from .synthetic import BUILTINS, arithmetic_records, word_problem_records  # noqa: F401 - public names
+from .synthetic import BUILTINS
 
 PACKAGED = {p.stem: p for p in DATA_DIR.glob("*.jsonl")}
 

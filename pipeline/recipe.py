@@ -164,11 +164,10 @@ class Recipe:
         m = self.model
         if sum(x is not None for x in (m.path, m.preset, m.convert_from)) != 1:
             fail("model", "give exactly one of path, preset, convert_from")
-        if m.dtype not in ("float32", "bfloat16", "float16"):
-            fail("model.dtype", f"expected float32, bfloat16 or float16, got {m.dtype!r}")
-        for key, engine in (("grpo.engine", self.grpo.engine), ("eval.engine", self.eval.engine)):
-            if engine.dtype not in (None, "float32", "bfloat16", "float16"):
-                fail(f"{key}.dtype", f"expected float32, bfloat16 or float16, got {engine.dtype!r}")
+        for key, dtype in (("model.dtype", m.dtype), ("grpo.engine.dtype", self.grpo.engine.dtype or m.dtype),
+                           ("eval.engine.dtype", self.eval.engine.dtype or m.dtype)):
+            if dtype not in ("float32", "bfloat16", "float16"):
+                fail(key, f"expected float32, bfloat16 or float16, got {dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", f"expected auto, cpu or cuda, got {self.device!r}")
         g = self.grpo

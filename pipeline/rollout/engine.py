@@ -447,6 +447,7 @@ class Engine:
 
     def get_stats(self) -> dict:
         stats = self.stats.as_dict(self.max_slots)
-        stats.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), max_slots=self.max_slots, per_slot_bytes=self.per_slot_bytes, weights_version=self.weights_version,
+        stats.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), max_slots=self.max_slots,
+                     per_slot_bytes=self.per_slot_bytes, weights_version=self.weights_version,
                      running=len(self.running), waiting=len(self.waiting) + len(self.prefilling))
         return stats
