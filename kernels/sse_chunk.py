@@ -1,0 +1,644 @@
+"""Chunked SSE over the GLA transition in Triton: training forward/backward and prefill, varlen, no fla.
+
+The kernels run Algorithm 2 of the SSE paper (varlen) without materialising it. A *row* is one (token,
+partition) pair: rows ``[0, L)`` are the shared partition (row = token), rows ``[L, L + P)`` are the
+sparse pairs of :class:`~sse_model.ops.sse.VarlenPlan` (``tok[r - L]`` their token). Rows are grouped into
+*segments*, one per (sequence, partition), and every kernel loads q / k / v / g straight from the token
+tensors through ``tok`` and applies the router's gates on the fly, so no gathered, gated or concatenated
+copy is ever written. Per row, with ``a, b, m`` the read weight, write weight and write mask of the pair
+(all 1 for shared rows):
+
+    q_r = a * q[tok],  k_r = b * k[tok],  v_r = m * v[tok],  g_r = m * g[tok]
+
+and each segment is an ordinary GLA recurrence ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``,
+``o_t = scale * q_t S_t``; a token's output is the sum over its rows.
+
+Each segment is cut into chunks of ``C`` rows. Per chunk, with ``G`` the in-chunk cumulative log-decay:
+
+    o     = scale * [(q * e^G) h  +  A v],        A_ij = sum_d q_id k_jd e^(G_id - G_jd)  (j <= i)
+    h'    = e^G_last * h  +  (k * e^(G_last - G))^T v
+
+The intra-chunk matrix ``A`` is one matrix product of ``q e^G`` and ``k e^-G`` whenever ``|G| <= SAFE_LOG2``
+(in log2 units) over the chunk, which keeps both factors inside float32 range; a chunk that decays harder
+than that takes an exact elementwise path (slower, never inexact). Decays must be log-decays (``g <= 0``).
+
+Kernels (grid axis 2 is the head):
+    ``_fwd_h``:    per (segment, K-block x V-block), walks the chunks: stores each chunk's initial state;
+                   one launch for shared and sparse segments together (the shared partition is fused);
+    ``_fwd_o``:    per chunk: the output, added into the token's output (shared launch first);
+    ``_bwd_dh``:   per segment, walks the chunks backwards: the gradient of each chunk's final state;
+    ``_bwd_dv``:   per chunk: dv;
+    ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights.
+The chunk tables are built on the device without a host synchronisation (grids are upper bounds; programs
+past the end return at once). The PyTorch ops of ``sse_model/ops`` are the reference the tests hold these to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sse_model.ops.sse import Branch, Routing, SSEOptions, VarlenPlan
+from sse_model.ops.varlen import check_cu_seqlens, dense_cu_seqlens
+
+LOG2E = 1.4426950408889634
+SAFE_LOG2 = 86.0  # 2^86 ~ 1e26: e^G and e^-G, and their products with any sane gradient, stay finite
+CHUNK = 64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _rows(start, end, L, tok, rw, ww, wm, C: tl.constexpr):
+    """Token index, validity and (read weight, write weight, write mask) of rows ``start .. start + C``."""
+    rows = start + tl.arange(0, C)
+    valid = rows < end
+    if start >= L:
+        idx = rows - L
+        t = tl.load(tok + idx, mask=valid, other=0).to(tl.int64)
+        a = tl.load(rw + idx, mask=valid, other=0.0).to(tl.float32)
+        b = tl.load(ww + idx, mask=valid, other=0.0).to(tl.float32)
+        m = tl.load(wm + idx, mask=valid, other=0.0).to(tl.float32)
+    else:
+        t = rows.to(tl.int64)
+        a = valid.to(tl.float32)
+        b = a
+        m = a
+    return t, valid, a, b, m
+
+
+@triton.jit
+def _load(ptr, t, valid, i_h, H: tl.constexpr, D: tl.constexpr, offs, dmask):
+    """Rows ``t`` of head ``i_h`` of a ``[tokens, H, D]`` tensor, columns ``offs``, as float32."""
+    p = ptr + (t[:, None] * H + i_h) * D + offs[None, :]
+    return tl.load(p, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, x, t, valid, i_h, H: tl.constexpr, D: tl.constexpr, offs, dmask, ACCUM: tl.constexpr):
+    p = ptr + (t[:, None] * H + i_h) * D + offs[None, :]
+    mask = valid[:, None] & dmask[None, :]
+    if ACCUM:
+        x += tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, DT: tl.constexpr, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _state_row(seg, S, NP):
+    """Row of ``[num_seqs * (1 + NP), H, K, V]`` states for a segment (shared ones first, then sparse)."""
+    if seg >= S:
+        s = seg - S
+        r = (s // NP) * (1 + NP) + 1 + s % NP
+    else:
+        r = seg * (1 + NP)
+    return r
+
+
+@triton.jit
+def _intra_A(q, k, gc, qg, C: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SAFE: tl.constexpr):
+    """``sum_d q_id k_jd 2^(gc_id - gc_jd)`` for one K-block (unmasked above the diagonal only in the fast path)."""
+    if tl.max(tl.max(tl.abs(gc), axis=1), axis=0) <= SAFE:
+        A = _dot(qg, tl.trans(k * tl.exp2(-gc)), DT, IEEE)
+    else:
+        rows = tl.arange(0, C)
+        A = tl.zeros([C, C], dtype=tl.float32)
+        for j in range(C):
+            sel = (rows == j)[:, None]
+            kj = tl.sum(tl.where(sel, k, 0.0), axis=0)
+            gj = tl.sum(tl.where(sel, gc, 0.0), axis=0)
+            col = tl.sum(q * kj[None, :] * tl.exp2(tl.minimum(gc - gj[None, :], 0.0)), axis=1)
+            A += tl.where(rows[None, :] == j, col[:, None], 0.0)
+    return A
+
+
+@triton.jit
+def _intra_grads(dA, q, k, gc, C: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SAFE: tl.constexpr):
+    """``dq_i = sum_j dA_ij k_j 2^(gc_i - gc_j)``, ``dk_j = sum_i dA_ij q_i 2^(gc_i - gc_j)``; ``dA`` is causal."""
+    if tl.max(tl.max(tl.abs(gc), axis=1), axis=0) <= SAFE:
+        eg = tl.exp2(gc)
+        ieg = tl.exp2(-gc)
+        dq = eg * _dot(dA, k * ieg, DT, IEEE)
+        dk = ieg * _dot(tl.trans(dA), q * eg, DT, IEEE)
+    else:
+        rows = tl.arange(0, C)
+        dq = tl.zeros_like(q)
+        dk = tl.zeros_like(k)
+        for j in range(C):
+            sel = (rows == j)[:, None]
+            kj = tl.sum(tl.where(sel, k, 0.0), axis=0)
+            gj = tl.sum(tl.where(sel, gc, 0.0), axis=0)
+            col = tl.sum(tl.where(rows[None, :] == j, dA, 0.0), axis=1)  # dA[:, j]
+            decay = tl.exp2(tl.minimum(gc - gj[None, :], 0.0))
+            dq += col[:, None] * kj[None, :] * decay
+            dk += tl.where(sel, tl.sum(col[:, None] * q * decay, axis=0)[None, :], 0.0)
+    return dq, dk
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _fwd_h(
+    k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off,
+    L, S, NP,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_v = i_kv // NV, i_kv % NV
+    bos = tl.load(cu_seg + seg).to(tl.int64)
+    eos = tl.load(cu_seg + seg + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + seg).to(tl.int64)
+    if seg >= S:
+        k_ptr, g_ptr = k_sp, g_sp
+    else:
+        k_ptr, g_ptr = k_sh, g_sh
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mk, mv = offs_k < K, offs_v < V
+    tile = offs_k[:, None] * V + offs_v[None, :]
+    tmask = mk[:, None] & mv[None, :]
+    srow = _state_row(seg, S, NP).to(tl.int64)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
+    for j in range(0, tl.cdiv(eos - bos, C)):
+        tl.store(h + ((c0 + j) * H + i_h) * K * V + tile, b_h.to(h.dtype.element_ty), mask=tmask)
+        t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, ww, ww, wm, C)
+        kk = _load(k_ptr, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
+        gg = _load(g_ptr, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+        vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
+        gc = tl.cumsum(gg, axis=0)
+        gl = tl.sum(gg, axis=0)
+        b_h = b_h * tl.exp2(gl)[:, None] + _dot(tl.trans(kk * tl.exp2(gl[None, :] - gc)), vv, DT, IEEE)
+    if STORE_HT:
+        tl.store(ht + (srow * H + i_h) * K * V + tile, b_h, mask=tmask)
+
+
+@triton.jit
+def _fwd_o(
+    q, k, g, v, h, o, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
+    L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NK: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+    SAFE: tl.constexpr,
+):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    gid = tl.load(ids + i_c).to(tl.int64)
+    if gid < 0:
+        return
+    seg = tl.load(chunk_seg + gid)
+    start = tl.load(chunk_start + gid).to(tl.int64)
+    end = tl.load(cu_seg + seg + 1).to(tl.int64)
+    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
+    b_o = tl.zeros([C, BV], dtype=tl.float32)
+    b_A = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in tl.static_range(NK):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mk = offs_k < K
+        qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
+        kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
+        gc = tl.cumsum(_load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None], axis=0)
+        qg = qq * tl.exp2(gc)
+        hh = tl.load(h + (gid * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                     mask=mk[:, None] & mv[None, :], other=0.0)
+        b_o += _dot(qg, hh, DT, IEEE)
+        b_A += _intra_A(qq, kk, gc, qg, C, DT, IEEE, SAFE)
+    rows = tl.arange(0, C)
+    b_A = tl.where(rows[:, None] >= rows[None, :], b_A, 0.0)
+    b_o = (b_o + _dot(b_A, vv, DT, IEEE)) * scale
+    if OUT_BY_TOKEN:
+        _store(o, b_o, t, valid, i_h, H, V, offs_v, mv, ACCUM)
+    else:
+        _store(o, b_o, start - L + rows, valid, i_h, H, V, offs_v, mv, False)
+
+
+@triton.jit
+def _bwd_dh(
+    q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, scale,
+    L, S, NP,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_v = i_kv // NV, i_kv % NV
+    bos = tl.load(cu_seg + seg).to(tl.int64)
+    eos = tl.load(cu_seg + seg + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + seg).to(tl.int64)
+    if seg >= S:
+        q_ptr, g_ptr = q_sp, g_sp
+    else:
+        q_ptr, g_ptr = q_sh, g_sh
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mk, mv = offs_k < K, offs_v < V
+    tile = offs_k[:, None] * V + offs_v[None, :]
+    tmask = mk[:, None] & mv[None, :]
+    srow = _state_row(seg, S, NP).to(tl.int64)
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
+    n = tl.cdiv(eos - bos, C)
+    for jj in range(0, n):
+        j = n - 1 - jj
+        tl.store(dh + ((c0 + j) * H + i_h) * K * V + tile, b_dh.to(dh.dtype.element_ty), mask=tmask)
+        t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, rw, rw, wm, C)
+        qq = _load(q_ptr, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
+        gg = _load(g_ptr, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+        dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
+        gc = tl.cumsum(gg, axis=0)
+        gl = tl.sum(gg, axis=0)
+        b_dh = b_dh * tl.exp2(gl)[:, None] + _dot(tl.trans(qq * tl.exp2(gc) * scale), dd, DT, IEEE)
+    if STORE_DH0:
+        tl.store(dh0 + (srow * H + i_h) * K * V + tile, b_dh, mask=tmask)
+
+
+@triton.jit
+def _bwd_dv(
+    q, k, g, do, dh, dv, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
+    L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NK: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+    SAFE: tl.constexpr,
+):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    gid = tl.load(ids + i_c).to(tl.int64)
+    if gid < 0:
+        return
+    seg = tl.load(chunk_seg + gid)
+    start = tl.load(chunk_start + gid).to(tl.int64)
+    end = tl.load(cu_seg + seg + 1).to(tl.int64)
+    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
+    b_dv = tl.zeros([C, BV], dtype=tl.float32)
+    b_A = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in tl.static_range(NK):
+        offs_k = i_k * BK + tl.arange(0, BK)
+        mk = offs_k < K
+        qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
+        kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
+        gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+        gc = tl.cumsum(gg, axis=0)
+        gl = tl.sum(gg, axis=0)
+        b_A += _intra_A(qq, kk, gc, qq * tl.exp2(gc), C, DT, IEEE, SAFE)
+        dhh = tl.load(dh + (gid * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                      mask=mk[:, None] & mv[None, :], other=0.0)
+        b_dv += _dot(kk * tl.exp2(gl[None, :] - gc), dhh, DT, IEEE)
+    rows = tl.arange(0, C)
+    b_A = tl.where(rows[:, None] >= rows[None, :], b_A * scale, 0.0)
+    b_dv = (b_dv + _dot(tl.trans(b_A), dd, DT, IEEE)) * m[:, None]
+    if OUT_BY_TOKEN:
+        _store(dv, b_dv, t, valid, i_h, H, V, offs_v, mv, ACCUM)
+    else:
+        _store(dv, b_dv, start - L + rows, valid, i_h, H, V, offs_v, mv, False)
+
+
+@triton.jit
+def _bwd_dqkg(
+    q, k, g, v, do, h, dh, dq, dk, dg, dab, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
+    L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NK: tl.constexpr, NV: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, GATE_GRADS: tl.constexpr,
+    DT: tl.constexpr, IEEE: tl.constexpr, SAFE: tl.constexpr,
+):
+    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    gid = tl.load(ids + i_c).to(tl.int64)
+    if gid < 0:
+        return
+    seg = tl.load(chunk_seg + gid)
+    start = tl.load(chunk_start + gid).to(tl.int64)
+    end = tl.load(cu_seg + seg + 1).to(tl.int64)
+    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    rows = tl.arange(0, C)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mk = offs_k < K
+    q_raw = _load(q, t, valid, i_h, H, K, offs_k, mk)
+    k_raw = _load(k, t, valid, i_h, H, K, offs_k, mk)
+    qq, kk = q_raw * a[:, None], k_raw * b[:, None]
+    gc = tl.cumsum(_load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None], axis=0)
+    gl = tl.sum(tl.where(rows[:, None] == C - 1, gc, 0.0), axis=0)
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dki = tl.zeros([C, BK], dtype=tl.float32)
+    b_dA = tl.zeros([C, C], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in tl.static_range(NV):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mv = offs_v < V
+        dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
+        vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
+        tile = (gid * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :]
+        tmask = mk[:, None] & mv[None, :]
+        hh = tl.load(h + tile, mask=tmask, other=0.0)
+        dhh = tl.load(dh + tile, mask=tmask, other=0.0)
+        b_dq += _dot(dd, tl.trans(hh), DT, IEEE)
+        b_dki += _dot(vv, tl.trans(dhh), DT, IEEE)
+        b_dA += _dot(dd, tl.trans(vv), DT, IEEE)
+        hdh += tl.sum(hh.to(tl.float32) * dhh.to(tl.float32), axis=1)
+    b_dq = b_dq * tl.exp2(gc) * scale
+    b_dki = b_dki * tl.exp2(gl[None, :] - gc)
+    b_dA = tl.where(rows[:, None] >= rows[None, :], b_dA * scale, 0.0)
+    dq_intra, dk_intra = _intra_grads(b_dA, qq, kk, gc, C, DT, IEEE, SAFE)
+    b_dq += dq_intra
+    b_dk = b_dki + dk_intra
+    # d/dG_i = q_i dq_i - k_i dk_i, plus the chunk's final state h' = e^G_last (...) at the last row;
+    # the log-decay g_t enters every G_i with i >= t: a reverse cumulative sum inside the chunk
+    dG = qq * b_dq - kk * b_dk
+    last = tl.exp2(gl) * hdh + tl.sum(kk * b_dki, axis=0)
+    b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + last[None, :]
+    if OUT_BY_TOKEN:
+        out = t
+    else:
+        out = start - L + rows
+    _store(dq, b_dq * a[:, None], out, valid, i_h, H, K, offs_k, mk, False)
+    _store(dk, b_dk * b[:, None], out, valid, i_h, H, K, offs_k, mk, False)
+    _store(dg, b_dg * m[:, None], out, valid, i_h, H, K, offs_k, mk, False)
+    if GATE_GRADS:  # partial sums over this K-block of d/da and d/db, [P, 2, H, NK]
+        base = ((start - L + rows).to(tl.int64) * 2 * H + i_h) * NK + i_k
+        tl.store(dab + base, tl.sum(q_raw * b_dq, axis=1), mask=valid)
+        tl.store(dab + base + H * NK, tl.sum(k_raw * b_dk, axis=1), mask=valid)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass
+class ChunkPlan:
+    """Segments and chunks of one call. Segments ``[0, S)`` are the sequences (the shared partition), then
+    ``S * NP`` sparse segments, sequence-major, partition-minor (the order of ``VarlenPlan``). Chunk ids
+    number every segment's chunks in segment order; ``launch_shared`` / ``launch_sparse`` give each program
+    of the two per-chunk launches its chunk id (-1: nothing to do). Host-side sizes are upper bounds, so
+    building the plan never waits for the GPU.
+    """
+
+    cu_seg: torch.Tensor  # [num_seg + 1] row offsets
+    chunk_off: torch.Tensor  # [num_seg] first chunk id of each segment
+    chunk_seg: torch.Tensor  # [max_chunks] segment of each chunk id (-1 past the end)
+    chunk_start: torch.Tensor  # [max_chunks] first row of each chunk id
+    launch_shared: torch.Tensor
+    launch_sparse: torch.Tensor | None
+    num_seqs: int
+    num_partitions: int  # NP sparse partitions; 0 for plain GLA
+    chunk: int
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_seg.numel() - 1
+
+    @property
+    def max_chunks(self) -> int:
+        return self.chunk_seg.numel()
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, sparse_cu: torch.Tensor | None = None,
+              num_pairs: int = 0, num_partitions: int = 0, chunk: int = CHUNK) -> "ChunkPlan":
+        """``cu_seqlens``: token offsets of the ``S`` sequences; ``sparse_cu``: offsets of the sparse segments
+        in the pair list (``VarlenPlan.cu_seqlens``, ``[S * NP + 1]``), None for plain GLA."""
+        device = cu_seqlens.device
+        S = cu_seqlens.numel() - 1
+        cu = cu_seqlens.long()
+        if sparse_cu is not None:
+            cu = torch.cat([cu, num_tokens + sparse_cu[1:].long()])
+        n_chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+        incl = n_chunks.cumsum(0)
+        excl = incl - n_chunks
+        max_sh = -(-num_tokens // chunk) + S
+        max_sp = 0 if sparse_cu is None else -(-num_pairs // chunk) + S * num_partitions
+        total = max_sh + max_sp
+        ids = torch.arange(total, device=device)
+        seg = torch.searchsorted(incl, ids, right=True)
+        inside = seg < n_chunks.numel()
+        seg_c = seg.clamp(max=n_chunks.numel() - 1)
+        chunk_start = cu[seg_c] + (ids - excl[seg_c]) * chunk
+        chunk_seg = torch.where(inside, seg, -1)
+        launch_sh = torch.where(inside[:max_sh] & (seg[:max_sh] < S), ids[:max_sh], -1)
+        launch_sp = None
+        if sparse_cu is not None:
+            sp_ids = excl[S] + torch.arange(max_sp, device=device)  # sparse chunks follow the shared ones
+            launch_sp = torch.where(sp_ids < incl[-1], sp_ids, -1)
+        i32 = torch.int32
+        return cls(cu.to(i32), excl.to(i32), chunk_seg.to(i32), chunk_start,
+                   launch_sh.to(i32), None if launch_sp is None else launch_sp.to(i32), S, num_partitions, chunk)
+
+
+def _blocks(D: int) -> tuple[int, int]:
+    """Block size and count along a head dimension (at least 16: the smallest ``tl.dot``)."""
+    block = min(64, max(16, triton.next_power_of_2(D)))
+    return block, triton.cdiv(D, block)
+
+
+@dataclass
+class _Call:
+    """What one SSE / GLA call needs besides the differentiable tensors."""
+
+    plan: ChunkPlan
+    tok: torch.Tensor | None  # [P] token of each sparse pair
+    position: torch.Tensor | None  # [L, Kmax] pair index of each token's ranked partitions
+    scale: float
+    output_final_state: bool
+    safe: float = SAFE_LOG2
+
+
+def _dot_type(v: torch.Tensor):
+    return (tl.float32, True) if v.dtype == torch.float32 else (getattr(tl, str(v.dtype).split(".")[-1]), False)
+
+
+def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
+    plan = call.plan
+    L, H, K = q_sh.shape
+    V = v.shape[-1]
+    C = plan.chunk
+    BK, NK = _blocks(K)
+    BV, NV = _blocks(V)
+    DT, IEEE = _dot_type(v)
+    sparse = call.tok is not None
+    dummy = plan.cu_seg
+    tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
+    num_states = plan.num_seqs * (1 + plan.num_partitions)
+    h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
+    ht = torch.empty(num_states, H, K, V, device=v.device, dtype=torch.float32) if call.output_final_state else None
+    _fwd_h[(NK * NV, plan.num_segments, H)](
+        k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
+        dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off,
+        L, plan.num_seqs, plan.num_partitions,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NV=NV, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE,
+    )
+    o = torch.empty(L, H, V, device=v.device, dtype=v.dtype)
+    common = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, DT=DT, IEEE=IEEE, SAFE=call.safe)
+    tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
+    _fwd_o[(NV, plan.launch_shared.numel(), H)](
+        q_sh, k_sh, g_sh, v, h, o, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
+        OUT_BY_TOKEN=True, ACCUM=False, **common,
+    )
+    if sparse:
+        by_token = call.position.shape[1] == 1
+        out = o if by_token else torch.empty(call.tok.numel(), H, V, device=v.device, dtype=torch.float32)
+        _fwd_o[(NV, plan.launch_sparse.numel(), H)](
+            q_sp, k_sp, g_sp, v, h, out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+            OUT_BY_TOKEN=by_token, ACCUM=by_token, **common,
+        )
+        if not by_token:
+            o = (o.float() + out[call.position].sum(1)).to(v.dtype)
+    return o, ht
+
+
+def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
+    plan = call.plan
+    L, H, K = q_sh.shape
+    V = v.shape[-1]
+    C = plan.chunk
+    BK, NK = _blocks(K)
+    BV, NV = _blocks(V)
+    DT, IEEE = _dot_type(v)
+    sparse = call.tok is not None
+    dummy = plan.cu_seg
+    tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
+    do = do.contiguous()
+    h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
+    _fwd_h[(NK * NV, plan.num_segments, H)](
+        k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
+        dummy if h0 is None else h0, dummy, plan.cu_seg, plan.chunk_off, L, plan.num_seqs, plan.num_partitions,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NV=NV, USE_H0=h0 is not None, STORE_HT=False, DT=DT, IEEE=IEEE,
+    )
+    dh = torch.empty_like(h)
+    dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
+    _bwd_dh[(NK * NV, plan.num_segments, H)](
+        q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
+        dummy if dht is None else dht.contiguous(), dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
+        call.scale, L, plan.num_seqs, plan.num_partitions,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NV=NV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        DT=DT, IEEE=IEEE,
+    )
+    common = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, DT=DT, IEEE=IEEE, SAFE=call.safe)
+    tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
+    dv = torch.empty_like(v)
+    _bwd_dv[(NV, plan.launch_shared.numel(), H)](
+        q_sh, k_sh, g_sh, do, dh, dv, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
+        OUT_BY_TOKEN=True, ACCUM=False, **common,
+    )
+    grads = [torch.empty_like(x) for x in (q_sh, k_sh, g_sh)]
+    _bwd_dqkg[(NK, plan.launch_shared.numel(), H)](
+        q_sh, k_sh, g_sh, v, do, h, dh, *grads, dummy, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
+        NV=NV, OUT_BY_TOKEN=True, GATE_GRADS=False, **common,
+    )
+    sparse_grads = [None] * 5
+    if sparse:
+        P = call.tok.numel()
+        by_token = call.position.shape[1] == 1
+        dv_out = dv if by_token else torch.empty(P, H, V, device=v.device, dtype=torch.float32)
+        _bwd_dv[(NV, plan.launch_sparse.numel(), H)](
+            q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+            OUT_BY_TOKEN=by_token, ACCUM=by_token, **common,
+        )
+        if by_token:
+            outs = [torch.empty_like(x) for x in (q_sp, k_sp, g_sp)]
+        else:
+            dv = (dv.float() + dv_out[call.position].sum(1)).to(v.dtype)
+            outs = [torch.empty(P, H, K, device=v.device, dtype=torch.float32) for _ in range(3)]
+        dab = torch.empty(P, 2, H, NK, device=v.device, dtype=torch.float32)
+        _bwd_dqkg[(NK, plan.launch_sparse.numel(), H)](
+            q_sp, k_sp, g_sp, v, do, h, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+            NV=NV, OUT_BY_TOKEN=by_token, GATE_GRADS=True, **common,
+        )
+        if not by_token:
+            outs = [x[call.position].sum(1).to(ref.dtype) for x, ref in zip(outs, (q_sp, k_sp, g_sp))]
+        dab = dab.sum((2, 3))
+        sparse_grads = [*outs, dab[:, 0], dab[:, 1]]
+    return (*grads, *sparse_grads[:3], dv, *sparse_grads[3:], dh0)
+
+
+class _ChunkFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
+        o, ht = _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
+        ctx.call = call
+        ctx.save_for_backward(q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        saved = ctx.saved_tensors
+        dq_sh, dk_sh, dg_sh, dq_sp, dk_sp, dg_sp, dv, drw, dww, dh0 = _backward(ctx.call, do, dht, *saved)
+        h0 = saved[-1]
+        return (None, dq_sh, dk_sh, dg_sh, dq_sp, dk_sp, dg_sp, dv, drw, dww, None,
+                None if h0 is None else dh0.to(h0.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# entry points (the dispatch point's conventions)
+
+
+def _tokens(x: torch.Tensor | None, L: int) -> torch.Tensor | None:
+    """``[B, T, H, D]`` -> contiguous ``[B * T, H, D]``."""
+    return None if x is None else x.reshape(L, *x.shape[2:]).contiguous()
+
+
+def _sequences(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    if cu_seqlens is None:
+        return dense_cu_seqlens(B, T, device)
+    check_cu_seqlens(cu_seqlens, B, T)
+    return cu_seqlens
+
+
+def chunk_gla_triton(q, k, v, g, beta=None, *, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, use_qk_l2norm=False, chunk_size: int = CHUNK):
+    """GLA with the dispatch point's signature (``q, k, g: [B, T, H, K]``, states ``[S, H, K, V]`` float32)."""
+    if use_qk_l2norm:
+        raise ValueError("use_qk_l2norm is only defined for the gated delta rule")
+    B, T, H, K = q.shape
+    L = B * T
+    cu = _sequences(B, T, cu_seqlens, q.device)
+    call = _Call(ChunkPlan.build(cu, L, chunk=chunk_size), None, None, K**-0.5 if scale is None else scale,
+                 output_final_state)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    o, ht = _ChunkFunction.apply(call, _tokens(q, L), _tokens(k, L), _tokens(g, L), None, None, None,
+                                 _tokens(v, L), None, None, None, h0)
+    return o.view(B, T, H, v.shape[-1]), ht
+
+
+def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: Routing, opts: SSEOptions, *,
+                     implementation: str = "auto", initial_state=None, output_final_state=False, cu_seqlens=None,
+                     chunk_size: int = CHUNK, safe: float = SAFE_LOG2):
+    """SSE (GLA transition) with :func:`~sse_model.ops.dispatch.sse_attention`'s signature; None declines
+    (the gated delta rule, or the masking algorithm asked for explicitly)."""
+    if opts.transition != "gla" or implementation == "mask":
+        return None
+    B, T, H, K = shared.q.shape
+    V = v.shape[-1]
+    N = routing.num_partitions
+    L = B * T
+    cu = _sequences(B, T, cu_seqlens, v.device)
+    S = cu.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (S, 1 + N, H, K, V):
+        raise ValueError(f"SSE state must be {[S, 1 + N, H, K, V]}, got {list(initial_state.shape)}")
+    write_w, read_w, write_mask = (x.reshape(L, N) for x in routing.weights(opts.write_gate, opts.read_gate))
+    pairs = VarlenPlan.build(routing.topk.reshape(L, -1), cu, N)
+    rw, ww, wm = (x[pairs.token, pairs.partition].contiguous() for x in (read_w, write_w, write_mask))
+    P = pairs.token.numel()
+    plan = ChunkPlan.build(cu, L, pairs.cu_seqlens, P, N, chunk=chunk_size)
+    call = _Call(plan, pairs.token.to(torch.int32), pairs.position, K**-0.5 if opts.scale is None else opts.scale,
+                 output_final_state, safe)
+    q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
+    # the fused launches select the shared or sparse tensor per segment: one dtype per role
+    q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L) for x, ref in zip((sparse.q, sparse.k, sparse.g), (q_sh, k_sh, g_sh)))
+    h0 = None if initial_state is None else initial_state.reshape(S * (1 + N), H, K, V).contiguous()
+    o, ht = _ChunkFunction.apply(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, _tokens(v, L), rw, ww, wm, h0)
+    return o.view(B, T, H, V), None if ht is None else ht.view(S, 1 + N, H, K, V)
