@@ -6,9 +6,8 @@ What runs where:
 - routing (router softmax + top-k): :mod:`kernels.routing`;
 - decode (one token for a batch of sequences in a state pool; SSE, GLA and gated delta rule):
   :mod:`kernels.decode`;
-- chunked training / prefill: the SSE-specific part (routing, the counting-sort reorder of Algorithm 2,
-  the gather back per token) is ours; the inner chunked GLA / gated-delta-rule kernels are fla's
-  (``flash-linear-attention``) when it is installed, else the PyTorch chunked ops of this package.
+- chunked training / prefill of SSE over GLA, and of GLA: :mod:`kernels.sse_chunk` (ours, no fla); the gated
+  delta rule runs on fla's chunked kernels when fla is installed, else on the PyTorch chunked ops.
 
 This module imports nothing heavy: transformers probes for a package named ``kernels`` (the Hugging Face
 hub-kernels library) while it initialises, and must find nothing here that imports transformers back.

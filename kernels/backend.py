@@ -1,4 +1,10 @@
-"""The ``triton`` backend of :mod:`sse_model.ops.dispatch`: which kernel serves which op on CUDA."""
+"""The ``triton`` backend of :mod:`sse_model.ops.dispatch`: which kernel serves which op on CUDA.
+
+- SSE over the GLA transition, GLA: our chunked kernels (:mod:`kernels.sse_chunk`), no fla needed;
+- the gated delta rule (GDN mixers, SSE-GDN): fla's chunked kernels when fla is installed (its WY
+  building blocks), else the PyTorch chunked ops;
+- decode and routing: :mod:`kernels.decode`, :mod:`kernels.routing`.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +15,14 @@ import torch
 from sse_model.ops.dispatch import Backend, register_backend
 
 
-def fla_linear_op(transition: str, mode: str) -> Callable | None:
-    """fla's chunked kernels with the dispatch point's calling convention, or None without fla.
+def fla_gdn_op() -> Callable | None:
+    """fla's chunked gated delta rule with the dispatch point's calling convention, or None without fla.
 
     fla wants one dtype for q, k, v (we use their promoted type) and a float32 log-decay; its states are
     float32 like ours.
     """
-    if mode == "recurrent":
-        return None
     try:
-        if transition == "gla":
-            from fla.ops.gla import chunk_gla as fla_op
-        else:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     except ImportError:
         return None
 
@@ -30,14 +31,21 @@ def fla_linear_op(transition: str, mode: str) -> Callable | None:
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         state = None if initial_state is None else initial_state.float()
-        kw = dict(scale=scale, initial_state=state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-        if transition == "gla":
-            if use_qk_l2norm:
-                raise ValueError("use_qk_l2norm is only defined for the gated delta rule")
-            return fla_op(q, k, v, g.float(), **kw)
-        return fla_op(q, k, v, g.float(), beta.to(dtype), use_qk_l2norm_in_kernel=use_qk_l2norm, **kw)
+        return fla_op(q, k, v, g.float(), beta.to(dtype), scale=scale, initial_state=state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     return op
+
+
+def linear_op(transition: str, mode: str) -> Callable | None:
+    if mode == "recurrent":
+        return None
+    if transition == "gla":
+        from .sse_chunk import chunk_gla_triton
+
+        return chunk_gla_triton
+    return fla_gdn_op()
 
 
 def _supports(x: torch.Tensor) -> bool:
@@ -47,11 +55,13 @@ def _supports(x: torch.Tensor) -> bool:
 def register() -> None:
     from .decode import linear_decode_triton, sse_decode_triton
     from .routing import route_triton
+    from .sse_chunk import sse_chunk_triton
 
     register_backend(Backend(
         name="triton",
         supports=_supports,
-        linear_op=fla_linear_op,
+        linear_op=linear_op,
+        sse=sse_chunk_triton,
         sse_decode=sse_decode_triton,
         linear_decode=linear_decode_triton,
         route=route_triton,

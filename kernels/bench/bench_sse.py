@@ -3,16 +3,18 @@
     python -m kernels.bench.bench_sse                     # all tables
     python -m kernels.bench.bench_sse --tables decode     # one of: chunk, partitions, decode
 
-(a) ``chunk``: forward and forward+backward time of SSE (routing + reorder + chunked kernels + gather, varlen
-    and masking) next to fla's ``chunk_gla`` on the same heads and dims and PyTorch SDPA (causal), at
-    constant tokens per batch (B x T = ``--tokens``);
-(b) ``partitions``: SSE varlen for N = 4..64 partitions at K = 1;
-(c) ``decode``: one decode step of an SSE layer for a batch of sequences in a state pool, our kernel and
+(a) ``chunk``: forward and forward+backward time of our SSE (routing + plan + chunked kernels) and our GLA
+    next to fla's ``chunk_gla`` on the same heads and dims, the reference SSE layer of fla's SSE pull request
+    (when its source is on the path) and PyTorch SDPA (causal), at constant tokens (B x T = ``--tokens``),
+    with peak memory;
+(b) ``partitions``: SSE for N = 4..64 partitions at K = 1;
+(c) ``compile``: the first SSE step in a fresh process with an empty Triton cache, against a warm step;
+(d) ``decode``: one decode step of an SSE layer for a batch of sequences in a state pool, our kernel and
     the PyTorch step, against the memory roofline: state bytes that must move / measured copy bandwidth.
 
 fla autotunes each kernel over many configurations, which costs minutes of compilation per kernel on a
-fresh machine; ``--fla-autotune first`` (the default) keeps each kernel's first configuration. It applies to
-fla's ``chunk_gla`` and to our SSE path alike (the SSE path runs on fla's chunked kernels).
+fresh machine; ``--fla-autotune first`` (the default) keeps each of fla's kernels to its first configuration
+(our kernels do not autotune).
 """
 
 from __future__ import annotations
@@ -60,15 +62,15 @@ def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False):
     return side(), side(), make(B, T, H, D), make(B, T, N)
 
 
-def sse_call(inputs, impl, K=1):
+def sse_call(inputs, impl="auto", K=1):
+    """Our SSE through the dispatch point (routing, plan, kernels), on packed rows like the pipeline's."""
     from sse_model.ops.dispatch import route_tokens, sse_attention
-    from sse_model.ops.sse import SSEOptions
+    from sse_model.ops.sse import Branch, SSEOptions
 
     shared, sparse, v, logits = inputs
     B, T = v.shape[:2]
     cu = torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32)
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (shared.q, shared.k, shared.g, sparse.q, sparse.k, sparse.g, v)]
-    from sse_model.ops.sse import Branch
 
     def run():
         routing = route_tokens(logits.reshape(1, B * T, -1), K, K)
@@ -77,6 +79,21 @@ def sse_call(inputs, impl, K=1):
         return o
 
     return run
+
+
+def fla_sse_call(inputs, N):
+    """The public reference layer's SSE computation (``SSEGLA.sse_linear_attention_varlen`` of fla's SSE pull
+    request), on the same inputs; None when that source is not on the path."""
+    try:
+        from fla.layers.sse import SSEGLA
+    except ImportError:
+        return None
+    shared, sparse, v, logits = inputs
+    B, T = v.shape[:2]
+    layer = SSEGLA(hidden_size=H * D, head_dim=D, num_heads=H, num_sparse_partition=N, num_writer=1, num_reader=1)
+    cu = torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32)
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (shared.q, sparse.q, shared.k, sparse.k, v, shared.g, sparse.g, logits)]
+    return lambda: layer.sse_linear_attention_varlen(*flat, cu_seqlens=cu)[0]
 
 
 def fwd_bwd(run, leaves):
@@ -94,50 +111,77 @@ def leaves_of(inputs):
     return [shared.q, shared.k, shared.g, sparse.q, sparse.k, sparse.g, v, logits]
 
 
-def table_chunk(tokens: int, lengths: list[int]) -> None:
-    from fla.ops.gla import chunk_gla
+def peak_gib(fn) -> float:
+    """Peak memory of one call above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
+
+def table_chunk(tokens: int, lengths: list[int]) -> None:
+    from kernels.sse_chunk import chunk_gla_triton
+
+    try:
+        from fla.ops.gla import chunk_gla as fla_gla
+    except ImportError:
+        fla_gla = None
     print(f"\n### (a) Chunked forward / forward+backward, ms (H={H}, D={D}, bf16, B x T = {tokens}, N=4, K=1)\n")
-    print("| T | B | GLA fwd | SSE varlen fwd | SSE mask fwd | SDPA fwd | GLA f+b | SSE varlen f+b | SSE mask f+b "
-          "| SDPA f+b | varlen/GLA f+b | mask/GLA f+b | SDPA/varlen f+b |")
-    print("|" + "---|" * 13)
+    print("Peers: fla `chunk_gla` (GLA on the same heads and dims), the reference SSE layer of fla's SSE pull "
+          "request (its varlen path), PyTorch SDPA (flash, causal). Peak = memory of one f+b above its inputs.\n")
+    names = ["SSE", "GLA (ours)", "GLA (fla)", "SSE (fla ref)", "SDPA"]
+    print("| T | B | " + " | ".join(f"{n} fwd" for n in names) + " | " + " | ".join(f"{n} f+b" for n in names)
+          + " | SSE / fla GLA fwd | SSE / fla GLA f+b | SDPA / SSE f+b | SSE peak GiB | fla GLA peak GiB |")
+    print("|" + "---|" * (2 + 2 * len(names) + 5))
     for T in lengths:
         B = max(1, tokens // T)
-        row = {}
+        row, peak = {}, {}
         for grad in (False, True):
             inputs = sse_inputs(B, T, 4, grad=grad)
             shared, _, v, _ = inputs
-            gla = lambda: chunk_gla(shared.q, shared.k, v, shared.g.float())[0]  # noqa: E731
             q = shared.q.transpose(1, 2).detach().requires_grad_(grad)
-            sdpa = lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)  # noqa: E731
-            cases = {"GLA": (gla, [shared.q, shared.k, v, shared.g]), "SDPA": (sdpa, [q])}
-            for impl in ("varlen", "mask"):
-                cases[f"SSE {impl}"] = (sse_call(inputs, impl), leaves_of(inputs))
+            gla_leaves = [shared.q, shared.k, v, shared.g]
+            cases = {
+                "SSE": (sse_call(inputs), leaves_of(inputs)),
+                "GLA (ours)": (lambda: chunk_gla_triton(shared.q, shared.k, v, shared.g)[0], gla_leaves),
+                "SDPA": (lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), [q]),
+            }
+            if fla_gla is not None:
+                cases["GLA (fla)"] = (lambda: fla_gla(shared.q, shared.k, v, shared.g.float())[0], gla_leaves)
+            ref = fla_sse_call(inputs, 4)
+            if ref is not None:
+                cases["SSE (fla ref)"] = (ref, leaves_of(inputs))
             for name, (fn, leaves) in cases.items():
+                step = fwd_bwd(fn, leaves) if grad else fn
                 try:
                     with torch.no_grad() if not grad else torch.enable_grad():
-                        row[(name, grad)] = bench(fwd_bwd(fn, leaves) if grad else fn)
+                        row[(name, grad)] = bench(step)
+                        if grad and name in ("SSE", "GLA (fla)"):
+                            peak[name] = peak_gib(step)
                 except torch.OutOfMemoryError:
                     row[(name, grad)] = math.nan
                 print(f"  T={T} {name} {'f+b' if grad else 'fwd'}: {row[(name, grad)]:.2f} ms", file=sys.stderr, flush=True)
                 torch.cuda.empty_cache()
             del inputs, cases
-        f = lambda x: f"{x:.2f}"  # noqa: E731
-        r = lambda a, b: f"{row[a] / row[b]:.2f}x"  # noqa: E731
-        print(f"| {T} | {B} | {f(row[('GLA', False)])} | {f(row[('SSE varlen', False)])} | {f(row[('SSE mask', False)])} "
-              f"| {f(row[('SDPA', False)])} | {f(row[('GLA', True)])} | {f(row[('SSE varlen', True)])} "
-              f"| {f(row[('SSE mask', True)])} | {f(row[('SDPA', True)])} | {r(('SSE varlen', True), ('GLA', True))} "
-              f"| {r(('SSE mask', True), ('GLA', True))} | {r(('SDPA', True), ('SSE varlen', True))} |", flush=True)
+        get = lambda n, g: row.get((n, g), math.nan)  # noqa: E731
+        cells = [f"{get(n, g):.2f}" for g in (False, True) for n in names]
+        ratios = [get("SSE", False) / get("GLA (fla)", False), get("SSE", True) / get("GLA (fla)", True),
+                  get("SDPA", True) / get("SSE", True)]
+        print(f"| {T} | {B} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}x" for x in ratios)
+              + f" | {peak.get('SSE', math.nan):.2f} | {peak.get('GLA (fla)', math.nan):.2f} |", flush=True)
 
 
-def table_partitions(T: int) -> None:
-    print(f"\n### (b) SSE varlen vs number of partitions, ms (B=1, T={T}, H={H}, D={D}, K=1, bf16)\n")
+def table_partitions(T: int, tokens: int) -> None:
+    B = max(1, tokens // T)
+    print(f"\n### (b) SSE vs number of partitions, ms (B={B}, T={T}, H={H}, D={D}, K=1, bf16)\n")
     print("| N | fwd | fwd+bwd | f+b vs N=4 |")
     print("|---|---|---|---|")
     base = None
     for N in (4, 8, 16, 32, 64):
-        inputs = sse_inputs(1, T, N, grad=True)
-        run = sse_call(inputs, "varlen")
+        inputs = sse_inputs(B, T, N, grad=True)
+        run = sse_call(inputs)
         with torch.no_grad():
             fwd = bench(run)
         fb = bench(fwd_bwd(run, leaves_of(inputs)))
@@ -145,6 +189,36 @@ def table_partitions(T: int) -> None:
         print(f"| {N} | {fwd:.2f} | {fb:.2f} | {fb / base:.2f}x |", flush=True)
         del inputs
         torch.cuda.empty_cache()
+
+
+COMPILE_PROBE = """
+import time, torch
+from kernels.bench.bench_sse import sse_inputs, sse_call, fwd_bwd, leaves_of
+import kernels; kernels.register()
+inputs = sse_inputs(2, 4096, 4, grad=True)
+step = fwd_bwd(sse_call(inputs), leaves_of(inputs))
+times = []
+for _ in range(3):
+    torch.cuda.synchronize(); t = time.perf_counter(); step(); torch.cuda.synchronize()
+    times.append(time.perf_counter() - t)
+print(f"{times[0]:.3f} {times[2]:.3f}")
+"""
+
+
+def table_compile() -> None:
+    """First SSE forward+backward in a fresh process with an empty Triton cache, against a warm one."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        out = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, capture_output=True, text=True, check=True)
+    first, warm = map(float, out.stdout.split()[-2:])
+    print("\n### (c) First-step compile overhead (fresh process, empty Triton cache; SSE f+b, B=2, T=4096)\n")
+    print("| first call s | warm call s | overhead s |")
+    print("|---|---|---|")
+    print(f"| {first:.2f} | {warm:.3f} | {first - warm:.2f} |", flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -189,9 +263,9 @@ def table_decode(batches: list[int], N: int = 4) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", nargs="*", default=["decode", "chunk", "partitions"])
+    parser.add_argument("--tables", nargs="*", default=["decode", "chunk", "partitions", "compile"])
     parser.add_argument("--tokens", type=int, default=131072)
-    parser.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384, 32768, 131072])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 32768, 131072])
     parser.add_argument("--partition-length", type=int, default=32768)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--fla-autotune", choices=["first", "full"], default="first")
@@ -209,7 +283,9 @@ def main() -> None:
     if "chunk" in args.tables:
         table_chunk(args.tokens, args.lengths)
     if "partitions" in args.tables:
-        table_partitions(args.partition_length)
+        table_partitions(args.partition_length, args.tokens)
+    if "compile" in args.tables:
+        table_compile()
 
 
 if __name__ == "__main__":

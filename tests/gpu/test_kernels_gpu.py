@@ -1,7 +1,7 @@
 """The Triton backend at real sizes on a GPU (2B SSE-H layer shapes: 18 heads, head dim 128, N=4, K=1):
-decode and routing kernels against the PyTorch definitions, the chunked SSE paths on fla's inner kernels
-against our PyTorch chunked ops (outputs, final states, gradients), and a whole model with and without the
-backend. ``pytest -s tests/gpu/test_kernels_gpu.py`` (fla from ``flash-linear-attention`` on the path)."""
+decode and routing kernels against the PyTorch definitions; our chunked SSE and GLA kernels against the
+PyTorch chunked ops in float32 (outputs, final states, every gradient); SSE-GDN on fla's kernels (skipped
+without fla); a whole model with and without the backend. ``pytest -s tests/gpu/test_kernels_gpu.py``."""
 
 from __future__ import annotations
 
@@ -60,18 +60,104 @@ def test_routing_real_sizes():
     assert rel(got.probs, ref.probs) < 1e-6
 
 
-@pytest.mark.parametrize("impl", ["varlen", "mask"])
-@pytest.mark.parametrize("transition", ["gla", "gdn"])
+def sse_case(lengths, N, Kw, Kr, dtype, decay=16.0, state=True):
+    """Inputs of a packed SSE call at the 2B layer shape (``decay`` divides the log-sigmoid gate)."""
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    shared, sparse = branch((1, T, H), "gla", dtype), branch((1, T, H), "gla", dtype)
+    if decay != 16.0:
+        for b in (shared, sparse):
+            b.g = (F.logsigmoid(torch.randn(1, T, H, D, device="cuda") * 4 - 2) * 16 / decay).to(dtype)
+    v = torch.randn(1, T, H, D, device="cuda", dtype=dtype)
+    logits = torch.randn(1, T, N, device="cuda")
+    leaves = [shared.q, shared.k, shared.g, sparse.q, sparse.k, sparse.g, v, logits]
+    state0 = torch.randn(len(lengths), 1 + N, H, D, D, device="cuda") * 0.1 if state else None
+    return cu, leaves + ([state0] if state else [])
+
+
+def sse_run(impl, cu, leaves, N, Kw, Kr, upcast=False):
+    """Output, final state and every gradient of one SSE call; ``upcast`` runs the reference in float32."""
+    leaves = [x.detach().float() if upcast else x.detach() for x in leaves]
+    leaves = [x.requires_grad_() for x in leaves]
+    shared, sparse = Branch(*leaves[:3]), Branch(*leaves[3:6])
+    v, logits = leaves[6], leaves[7]
+    state0 = leaves[8] if len(leaves) > 8 else None
+    r = route(logits, Kw, Kr)
+    o, s = impl(shared, sparse, v, r, SSEOptions(), initial_state=state0, output_final_state=True, cu_seqlens=cu)
+    torch.manual_seed(1)
+    do, ds = torch.randn_like(o, dtype=torch.float32), torch.randn_like(s)
+    grads = torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)
+    return o, s, grads
+
+
+def reference(shared, sparse, v, routing, opts, **kw):
+    return sse_varlen(shared, sparse, v, routing, opts, torch_linear_op("gla", "chunk", chunk_size=64), **kw)
+
+
+CHUNK_CASES = {  # name: lengths, N, Kw, Kr, dtype, decay
+    "n4k1 fp32": ([700, 64, 1500, 33], 4, 1, 1, torch.float32, 16.0),
+    "n4k1 bf16": ([700, 64, 1500, 33], 4, 1, 1, torch.bfloat16, 16.0),
+    "n4k2 bf16": ([900, 17, 600], 4, 2, 2, torch.bfloat16, 16.0),
+    "n4 Kw1 Kr2 fp32": ([300, 5, 250], 4, 1, 2, torch.float32, 16.0),
+    "n16k1 short seqs fp32": ([40, 17, 300, 1], 16, 1, 1, torch.float32, 16.0),
+    "K=N=4 fp32": ([130, 260], 4, 4, 4, torch.float32, 16.0),
+    "strong decay (elementwise chunks) fp32": ([500, 700], 4, 1, 1, torch.float32, 0.25),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNK_CASES))
+def test_sse_chunk_kernels(name):
+    from kernels.sse_chunk import sse_chunk_triton
+
+    lengths, N, Kw, Kr, dtype, decay = CHUNK_CASES[name]
+    cu, leaves = sse_case(lengths, N, Kw, Kr, dtype, decay)
+    o, s, g = sse_run(sse_chunk_triton, cu, leaves, N, Kw, Kr)
+    o_ref, s_ref, g_ref = sse_run(reference, cu, leaves, N, Kw, Kr, upcast=True)
+    grad_err = max(rel(a, b) for a, b in zip(g, g_ref))
+    RESULTS.append((f"SSE chunk {name}: o / state / worst grad", rel(o, o_ref), max(rel(s, s_ref), grad_err)))
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    assert rel(o, o_ref) < tol and rel(s, s_ref) < tol and grad_err < 4 * tol
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_sse_on_fla_kernels(impl, transition, dtype):
-    fla_op = pytest.importorskip("kernels.backend").fla_linear_op(transition, "chunk")
+def test_gla_chunk_kernel(dtype):
+    from kernels.sse_chunk import chunk_gla_triton
+
+    lengths = [700, 64, 1500, 33]
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    b = branch((1, T, H), "gla", dtype)
+    v = torch.randn(1, T, H, D, device="cuda", dtype=dtype)
+    h0 = torch.randn(len(lengths), H, D, D, device="cuda") * 0.1
+    leaves = [b.q, b.k, v, b.g, h0]
+
+    def run(op, upcast):
+        xs = [(x.detach().float() if upcast else x.detach()).requires_grad_() for x in leaves]
+        o, s = op(*xs[:4], initial_state=xs[4], output_final_state=True, cu_seqlens=cu)
+        torch.manual_seed(1)
+        grads = torch.autograd.grad((o.float() * torch.randn_like(o, dtype=torch.float32)).sum() + s.sum(), xs)
+        return o, s, grads
+
+    o, s, g = run(chunk_gla_triton, False)
+    o_ref, s_ref, g_ref = run(torch_linear_op("gla", "chunk", chunk_size=64), True)
+    grad_err = max(rel(a, c) for a, c in zip(g, g_ref))
+    RESULTS.append((f"GLA chunk {str(dtype)[6:]}: o / state / worst grad", rel(o, o_ref), max(rel(s, s_ref), grad_err)))
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    assert rel(o, o_ref) < tol and rel(s, s_ref) < tol and grad_err < 4 * tol
+
+
+@pytest.mark.parametrize("impl", ["varlen", "mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_sse_gdn_on_fla_kernels(impl, dtype):
+    """SSE-GDN runs Algorithm 1 / 2 around fla's gated delta rule when fla is installed."""
+    fla_op = pytest.importorskip("kernels.backend").fla_gdn_op()
     if fla_op is None:
         pytest.skip("flash-linear-attention is not installed")
     lengths = [700, 64, 1500, 33]
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    opts = SSEOptions(transition=transition, qk_l2norm=transition == "gdn")
-    shared, sparse = branch((1, T, H), transition, dtype), branch((1, T, H), transition, dtype)
+    opts = SSEOptions(transition="gdn", qk_l2norm=True)
+    shared, sparse = branch((1, T, H), "gdn", dtype), branch((1, T, H), "gdn", dtype)
     v = torch.randn(1, T, H, D, device="cuda", dtype=dtype)
     logits = torch.randn(1, T, N, device="cuda")
     leaves = [x for b in (shared, sparse) for x in (b.q, b.k, b.g, b.beta) if x is not None] + [v, logits]
@@ -87,10 +173,10 @@ def test_chunked_sse_on_fla_kernels(impl, transition, dtype):
         grads = torch.autograd.grad((o.float() * do.float()).sum() + s.sum(), leaves)
         return o, s, grads
 
-    o_ref, s_ref, g_ref = run(torch_linear_op(transition, "chunk", chunk_size=64))
+    o_ref, s_ref, g_ref = run(torch_linear_op("gdn", "chunk", chunk_size=64))
     o, s, g = run(fla_op)
     grad_err = max(rel(a, b) for a, b in zip(g, g_ref))
-    RESULTS.append((f"{impl} {transition} {str(dtype)[6:]} o/state/grad", rel(o, o_ref), max(rel(s, s_ref), grad_err)))
+    RESULTS.append((f"{impl} gdn (fla) {str(dtype)[6:]} o/state/grad", rel(o, o_ref), max(rel(s, s_ref), grad_err)))
     assert rel(o, o_ref) < TOL[dtype] and rel(s, s_ref) < TOL[dtype] and grad_err < 5 * TOL[dtype]
 
 
