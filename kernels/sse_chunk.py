@@ -44,7 +44,7 @@ import triton.language as tl
 from sse_model.ops.sse import Branch, Routing, SSEOptions, VarlenPlan
 from sse_model.ops.varlen import check_cu_seqlens, dense_cu_seqlens
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 SAFE_LOG2 = 86.0  # 2^86 ~ 1e26: e^G and e^-G, and their products with any sane gradient, stay finite
 CHUNK = 64
 
@@ -209,7 +209,7 @@ def _fwd_o(
     vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_A = tl.zeros([C, C], dtype=tl.float32)
-    for i_k in tl.static_range(NK):
+    for i_k in range(NK):
         offs_k = i_k * BK + tl.arange(0, BK)
         mk = offs_k < K
         qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
@@ -290,7 +290,7 @@ def _bwd_dv(
     dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
     b_dv = tl.zeros([C, BV], dtype=tl.float32)
     b_A = tl.zeros([C, C], dtype=tl.float32)
-    for i_k in tl.static_range(NK):
+    for i_k in range(NK):
         offs_k = i_k * BK + tl.arange(0, BK)
         mk = offs_k < K
         qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
@@ -339,7 +339,7 @@ def _bwd_dqkg(
     b_dki = tl.zeros([C, BK], dtype=tl.float32)
     b_dA = tl.zeros([C, C], dtype=tl.float32)
     hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in tl.static_range(NV):
+    for i_v in range(NV):
         offs_v = i_v * BV + tl.arange(0, BV)
         mv = offs_v < V
         dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
@@ -439,10 +439,40 @@ class ChunkPlan:
                    launch_sh.to(i32), None if launch_sp is None else launch_sp.to(i32), S, num_partitions, chunk)
 
 
-def _blocks(D: int) -> tuple[int, int]:
-    """Block size and count along a head dimension (at least 16: the smallest ``tl.dot``)."""
-    block = min(64, max(16, triton.next_power_of_2(D)))
-    return block, triton.cdiv(D, block)
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes along the key and value dims, and launch options, of one kernel."""
+
+    block_k: int
+    block_v: int
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def blocks(self, K: int, V: int) -> dict:
+        """``BK, BV, NK, NV`` for head dims ``K, V`` (tiles of at least 16: the smallest ``tl.dot``)."""
+        bk = min(self.block_k, max(16, triton.next_power_of_2(K)))
+        bv = min(self.block_v, max(16, triton.next_power_of_2(V)))
+        return dict(BK=bk, BV=bv, NK=triton.cdiv(K, bk), NV=triton.cdiv(V, bv))
+
+    def launch(self) -> dict:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# Chosen on an H100 at the 2B layer shape (K = V = 128) with ``kernels/bench/tune_chunk.py``; fixed configs
+# instead of autotuning keep the first step's compilation short.
+CONFIGS = {
+    "fwd_h": KernelConfig(64, 64),
+    "fwd_o": KernelConfig(32, 64),
+    "bwd_dh": KernelConfig(64, 64),
+    "bwd_dv": KernelConfig(32, 64),
+    "bwd_dqkg": KernelConfig(16, 64),
+}
+
+
+def _cfg(name: str, K: int, V: int, *keys: str) -> dict:
+    c = CONFIGS[name]
+    blocks = c.blocks(K, V)
+    return {**{k: blocks[k] for k in keys}, **c.launch()}
 
 
 @dataclass
@@ -466,23 +496,24 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     L, H, K = q_sh.shape
     V = v.shape[-1]
     C = plan.chunk
-    BK, NK = _blocks(K)
-    BV, NV = _blocks(V)
     DT, IEEE = _dot_type(v)
     sparse = call.tok is not None
     dummy = plan.cu_seg
     tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
+    seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
     num_states = plan.num_seqs * (1 + plan.num_partitions)
     h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
     ht = torch.empty(num_states, H, K, V, device=v.device, dtype=torch.float32) if call.output_final_state else None
-    _fwd_h[(NK * NV, plan.num_segments, H)](
+    _fwd_h[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
         k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
         dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off,
         L, plan.num_seqs, plan.num_partitions,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NV=NV, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE,
+        H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE, **seq,
     )
     o = torch.empty(L, H, V, device=v.device, dtype=v.dtype)
-    common = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, DT=DT, IEEE=IEEE, SAFE=call.safe)
+    cfg = _cfg("fwd_o", K, V, "BK", "BV", "NK")
+    NV = triton.cdiv(V, cfg["BV"])
+    common = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe, **cfg)
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
     _fwd_o[(NV, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, v, h, o, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
@@ -505,39 +536,41 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     L, H, K = q_sh.shape
     V = v.shape[-1]
     C = plan.chunk
-    BK, NK = _blocks(K)
-    BV, NV = _blocks(V)
     DT, IEEE = _dot_type(v)
     sparse = call.tok is not None
     dummy = plan.cu_seg
     tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
     do = do.contiguous()
     h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
-    _fwd_h[(NK * NV, plan.num_segments, H)](
+    seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
+    _fwd_h[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
         k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
         dummy if h0 is None else h0, dummy, plan.cu_seg, plan.chunk_off, L, plan.num_seqs, plan.num_partitions,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NV=NV, USE_H0=h0 is not None, STORE_HT=False, DT=DT, IEEE=IEEE,
+        H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=False, DT=DT, IEEE=IEEE, **seq,
     )
     dh = torch.empty_like(h)
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
-    _bwd_dh[(NK * NV, plan.num_segments, H)](
+    seq = _cfg("bwd_dh", K, V, "BK", "BV", "NV")
+    _bwd_dh[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
         q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
         dummy if dht is None else dht.contiguous(), dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
         call.scale, L, plan.num_seqs, plan.num_partitions,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NV=NV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        DT=DT, IEEE=IEEE,
+        H=H, K=K, V=V, C=C, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq,
     )
-    common = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, DT=DT, IEEE=IEEE, SAFE=call.safe)
+    base = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe)
+    dv_cfg = {**base, **_cfg("bwd_dv", K, V, "BK", "BV", "NK")}
+    dq_cfg = {**base, **_cfg("bwd_dqkg", K, V, "BK", "BV", "NK", "NV")}
+    NV, NK = triton.cdiv(V, dv_cfg["BV"]), dq_cfg["NK"]
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
     dv = torch.empty_like(v)
     _bwd_dv[(NV, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, do, dh, dv, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, ACCUM=False, **common,
+        OUT_BY_TOKEN=True, ACCUM=False, **dv_cfg,
     )
     grads = [torch.empty_like(x) for x in (q_sh, k_sh, g_sh)]
     _bwd_dqkg[(NK, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, v, do, h, dh, *grads, dummy, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        NV=NV, OUT_BY_TOKEN=True, GATE_GRADS=False, **common,
+        OUT_BY_TOKEN=True, GATE_GRADS=False, **dq_cfg,
     )
     sparse_grads = [None] * 5
     if sparse:
@@ -546,7 +579,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         dv_out = dv if by_token else torch.empty(P, H, V, device=v.device, dtype=torch.float32)
         _bwd_dv[(NV, plan.launch_sparse.numel(), H)](
             q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, ACCUM=by_token, **common,
+            OUT_BY_TOKEN=by_token, ACCUM=by_token, **dv_cfg,
         )
         if by_token:
             outs = [torch.empty_like(x) for x in (q_sp, k_sp, g_sp)]
@@ -556,7 +589,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         dab = torch.empty(P, 2, H, NK, device=v.device, dtype=torch.float32)
         _bwd_dqkg[(NK, plan.launch_sparse.numel(), H)](
             q_sp, k_sp, g_sp, v, do, h, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            NV=NV, OUT_BY_TOKEN=by_token, GATE_GRADS=True, **common,
+            OUT_BY_TOKEN=by_token, GATE_GRADS=True, **dq_cfg,
         )
         if not by_token:
             outs = [x[call.position].sum(1).to(ref.dtype) for x, ref in zip(outs, (q_sp, k_sp, g_sp))]

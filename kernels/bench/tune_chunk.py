@@ -1,0 +1,85 @@
+"""Per-kernel tile and warp choices of the chunked SSE kernels, measured at one shape.
+
+Each kernel of :mod:`kernels.sse_chunk` is timed (CUDA time under ``torch.profiler``, summed over its launches in
+one SSE forward+backward) under each candidate :class:`~kernels.sse_chunk.KernelConfig` while the others keep
+their current one; prints a table and the best choice per kernel, which ``CONFIGS`` in ``sse_chunk.py``
+records. ``--then-bench`` runs the chunk table of ``bench_sse`` with the best choices in the same process.
+
+    python -m kernels.bench.tune_chunk [--B 4 --T 32768] [--then-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels import sse_chunk
+from kernels.sse_chunk import KernelConfig
+
+from .bench_sse import fwd_bwd, leaves_of, limit_autotune, sse_call, sse_inputs
+
+SEQUENTIAL = [KernelConfig(64, 64, 8), KernelConfig(64, 64, 4), KernelConfig(32, 64, 4), KernelConfig(64, 32, 4),
+              KernelConfig(32, 32, 4), KernelConfig(64, 64, 8, 3), KernelConfig(128, 64, 8)]
+PER_CHUNK = [KernelConfig(32, 64, 8), KernelConfig(16, 64, 8), KernelConfig(32, 32, 8), KernelConfig(64, 64, 8),
+             KernelConfig(32, 128, 8), KernelConfig(32, 64, 4), KernelConfig(16, 32, 4), KernelConfig(32, 64, 8, 3)]
+CANDIDATES = {"fwd_h": SEQUENTIAL, "bwd_dh": SEQUENTIAL, "fwd_o": PER_CHUNK, "bwd_dv": PER_CHUNK,
+              "bwd_dqkg": PER_CHUNK}
+
+
+def kernel_times(step) -> dict[str, float]:
+    """Milliseconds of CUDA time per chunk kernel in one call of ``step`` (after a warm-up call)."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        for name in CANDIDATES:
+            if event.key.startswith("_" + name):
+                times[name] = times.get(name, 0.0) + event.device_time_total / 1e3
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--B", type=int, default=4)
+    parser.add_argument("--T", type=int, default=32768)
+    parser.add_argument("--then-bench", action="store_true")
+    args = parser.parse_args()
+    limit_autotune()
+    import kernels
+
+    kernels.register()
+    inputs = sse_inputs(args.B, args.T, 4, grad=True)
+    step = fwd_bwd(sse_call(inputs), leaves_of(inputs))
+    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H=18, D=128, N=4, K=1, bf16, one f+b)\n")
+    print("| kernel | BK | BV | warps | stages | ms |")
+    print("|---|---|---|---|---|---|")
+    for name, candidates in CANDIDATES.items():
+        best = None
+        for cfg in candidates:
+            sse_chunk.CONFIGS[name] = cfg
+            try:
+                ms = kernel_times(step)[name]
+            except Exception as e:  # a config the compiler rejects (shared memory): skip it
+                print(f"| {name} | {cfg.block_k} | {cfg.block_v} | {cfg.num_warps} | {cfg.num_stages} | "
+                      f"failed: {type(e).__name__} |", flush=True)
+                continue
+            print(f"| {name} | {cfg.block_k} | {cfg.block_v} | {cfg.num_warps} | {cfg.num_stages} | {ms:.2f} |",
+                  flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        sse_chunk.CONFIGS[name] = best[1]
+    print("\nbest:", {k: (c.block_k, c.block_v, c.num_warps, c.num_stages) for k, c in sse_chunk.CONFIGS.items()})
+    del inputs
+    torch.cuda.empty_cache()
+    if args.then_bench:
+        from .bench_sse import table_chunk
+
+        table_chunk(131072, [4096, 32768, 131072])
+
+
+if __name__ == "__main__":
+    main()
