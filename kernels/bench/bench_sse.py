@@ -30,14 +30,17 @@ H, D = 18, 128
 
 
 def limit_autotune() -> None:
-    import triton
+    """Every Triton autotuner (``triton.autotune`` and fla's cached autotuner, a subclass) keeps only its first
+    configuration: full autotuning compiles each of fla's kernels many times, minutes on a fresh machine.
+    Call before fla is imported."""
+    from triton.runtime.autotuner import Autotuner
 
-    original = triton.autotune
+    original = Autotuner.__init__
 
-    def autotune(configs, *args, **kwargs):
-        return original(configs[:1], *args, **kwargs)
+    def init(self, fn, arg_names, configs, *args, **kwargs):
+        original(self, fn, arg_names, configs[:1], *args, **kwargs)
 
-    triton.autotune = autotune
+    Autotuner.__init__ = init
 
 
 def bench(fn) -> float:
