@@ -461,11 +461,11 @@ class KernelConfig:
 # Chosen on an H100 at the 2B layer shape (K = V = 128) with ``kernels/bench/tune_chunk.py``; fixed configs
 # instead of autotuning keep the first step's compilation short.
 CONFIGS = {
-    "fwd_h": KernelConfig(64, 64),
-    "fwd_o": KernelConfig(32, 64),
-    "bwd_dh": KernelConfig(64, 64),
-    "bwd_dv": KernelConfig(32, 64),
-    "bwd_dqkg": KernelConfig(16, 64),
+    "fwd_h": KernelConfig(64, 64, 4),
+    "fwd_o": KernelConfig(32, 64, 4),
+    "bwd_dh": KernelConfig(64, 64, 4),
+    "bwd_dv": KernelConfig(32, 64, 4),
+    "bwd_dqkg": KernelConfig(32, 64, 4),
 }
 
 

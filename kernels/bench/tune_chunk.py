@@ -19,10 +19,10 @@ from kernels.sse_chunk import KernelConfig
 
 from .bench_sse import fwd_bwd, leaves_of, limit_autotune, sse_call, sse_inputs
 
-SEQUENTIAL = [KernelConfig(64, 64, 8), KernelConfig(64, 64, 4), KernelConfig(32, 64, 4), KernelConfig(64, 32, 4),
-              KernelConfig(32, 32, 4), KernelConfig(64, 64, 8, 3), KernelConfig(128, 64, 8)]
-PER_CHUNK = [KernelConfig(32, 64, 8), KernelConfig(16, 64, 8), KernelConfig(32, 32, 8), KernelConfig(64, 64, 8),
-             KernelConfig(32, 128, 8), KernelConfig(32, 64, 4), KernelConfig(16, 32, 4), KernelConfig(32, 64, 8, 3)]
+SEQUENTIAL = [KernelConfig(64, 64, 4), KernelConfig(64, 64, 8), KernelConfig(32, 64, 4), KernelConfig(64, 64, 4, 3),
+              KernelConfig(64, 64, 2), KernelConfig(32, 64, 2), KernelConfig(64, 128, 4), KernelConfig(32, 32, 2)]
+PER_CHUNK = [KernelConfig(32, 64, 4), KernelConfig(64, 64, 4), KernelConfig(32, 128, 4), KernelConfig(64, 128, 8),
+             KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 2), KernelConfig(16, 64, 4), KernelConfig(64, 64, 4, 3)]
 CANDIDATES = {"fwd_h": SEQUENTIAL, "bwd_dh": SEQUENTIAL, "fwd_o": PER_CHUNK, "bwd_dv": PER_CHUNK,
               "bwd_dqkg": PER_CHUNK}
 

@@ -75,9 +75,9 @@ def sse_case(lengths, N, Kw, Kr, dtype, decay=16.0, state=True):
     return cu, leaves + ([state0] if state else [])
 
 
-def sse_run(impl, cu, leaves, N, Kw, Kr, upcast=False):
-    """Output, final state and every gradient of one SSE call; ``upcast`` runs the reference in float32."""
-    leaves = [x.detach().float() if upcast else x.detach() for x in leaves]
+def sse_run(impl, cu, leaves, N, Kw, Kr, upcast=None):
+    """Output, final state and every gradient of one SSE call; ``upcast``: the reference's dtype."""
+    leaves = [x.detach().to(upcast) if upcast else x.detach() for x in leaves]
     leaves = [x.requires_grad_() for x in leaves]
     shared, sparse = Branch(*leaves[:3]), Branch(*leaves[3:6])
     v, logits = leaves[6], leaves[7]
@@ -94,6 +94,9 @@ def reference(shared, sparse, v, routing, opts, **kw):
     return sse_varlen(shared, sparse, v, routing, opts, torch_linear_op("gla", "chunk", chunk_size=64), **kw)
 
 
+# Against float32 references, float32 kernels agree to ~1e-6. Under strong decays (hundreds of nats per step)
+# the in-chunk cumulative log-decays reach thousands, whose float32 rounding (~1e-4 absolute) moves every
+# exp(G_i - G_j): that case is held to a float64 reference at a looser bound.
 CHUNK_CASES = {  # name: lengths, N, Kw, Kr, dtype, decay
     "n4k1 fp32": ([700, 64, 1500, 33], 4, 1, 1, torch.float32, 16.0),
     "n4k1 bf16": ([700, 64, 1500, 33], 4, 1, 1, torch.bfloat16, 16.0),
@@ -112,10 +115,11 @@ def test_sse_chunk_kernels(name):
     lengths, N, Kw, Kr, dtype, decay = CHUNK_CASES[name]
     cu, leaves = sse_case(lengths, N, Kw, Kr, dtype, decay)
     o, s, g = sse_run(sse_chunk_triton, cu, leaves, N, Kw, Kr)
-    o_ref, s_ref, g_ref = sse_run(reference, cu, leaves, N, Kw, Kr, upcast=True)
+    strong = decay < 1
+    o_ref, s_ref, g_ref = sse_run(reference, cu, leaves, N, Kw, Kr, upcast=torch.float64 if strong else torch.float32)
     grad_err = max(rel(a, b) for a, b in zip(g, g_ref))
     RESULTS.append((f"SSE chunk {name}: o / state / worst grad", rel(o, o_ref), max(rel(s, s_ref), grad_err)))
-    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    tol = (3e-3 if strong else 1e-4) if dtype == torch.float32 else TOL[dtype]
     assert rel(o, o_ref) < tol and rel(s, s_ref) < tol and grad_err < 4 * tol
 
 
