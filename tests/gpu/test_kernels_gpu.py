@@ -85,7 +85,7 @@ def sse_run(impl, cu, leaves, N, Kw, Kr, upcast=None):
     r = route(logits, Kw, Kr)
     o, s = impl(shared, sparse, v, r, SSEOptions(), initial_state=state0, output_final_state=True, cu_seqlens=cu)
     torch.manual_seed(1)
-    do, ds = torch.randn_like(o, dtype=torch.float32), torch.randn_like(s)
+    do, ds = torch.randn_like(o, dtype=torch.float32), torch.randn_like(s, dtype=torch.float32)  # same draws for any dtype
     grads = torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)
     return o, s, grads
 
