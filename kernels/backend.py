@@ -3,7 +3,8 @@
 - SSE over the GLA transition, GLA: our chunked kernels (:mod:`kernels.sse_chunk`), no fla needed;
 - the gated delta rule (GDN mixers, SSE-GDN): fla's chunked kernels when fla is installed (its WY
   building blocks), else the PyTorch chunked ops;
-- decode and routing: :mod:`kernels.decode`, :mod:`kernels.routing`.
+- decode and routing: :mod:`kernels.decode`, :mod:`kernels.routing`;
+- the fused elementwise stages (norms, the SSE feature prologue): :mod:`kernels.fused`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _supports(x: torch.Tensor) -> bool:
 
 def register() -> None:
     from .decode import linear_decode_triton, sse_decode_triton
+    from .fused import rms_norm_triton, sse_features_triton
     from .routing import route_triton
     from .sse_chunk import sse_chunk_triton
 
@@ -65,4 +67,6 @@ def register() -> None:
         sse_decode=sse_decode_triton,
         linear_decode=linear_decode_triton,
         route=route_triton,
+        rms_norm=rms_norm_triton,
+        sse_features=sse_features_triton,
     ))

@@ -6,9 +6,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .ops.dispatch import rms_norm
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, weight named ``weight`` (Llama and fla layout)."""
+    """RMSNorm computed in float32, weight named ``weight`` (Llama and fla layout); see
+    :func:`sse_model.ops.fused.rms_norm`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -16,19 +19,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float() if x.dtype != torch.float64 else x
-        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(y.dtype)).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(RMSNorm):
     """``RMSNorm(x) * silu(gate)``: the GLA output norm and gate (fla ``FusedRMSNormGated``)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        g = gate.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        return (y.to(g.dtype) * F.silu(g)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, gate)
 
 
 class SwiGLUMLP(nn.Module):
@@ -73,17 +71,6 @@ class ShortConvolution(nn.Conv1d):
             out = out + self.bias
         new_cache = full[:, -W:].transpose(1, 2).contiguous() if output_final_state else None
         return out, new_cache
-
-
-def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
-    """q/k/v feature maps over the last (head) dim; softmax runs in float32."""
-    if name == "identity":
-        return x
-    if name == "silu":
-        return F.silu(x)
-    if name == "softmax":
-        return torch.softmax(x.float() if x.dtype != torch.float64 else x, dim=-1).to(x.dtype)
-    raise ValueError(f"unknown feature map {name!r}")
 
 
 def row_topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import LinearLayerState
-from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, feature_map
+from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution
 from ..ops.delta_rule import l2norm
+from ..ops.fused import feature_map
 from ..ops.dispatch import linear_attention, linear_decode
 from .common import ForwardContext, zero_padding
 

@@ -19,9 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import LinearLayerState
-from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, feature_map, row_topk_softmax
+from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, row_topk_softmax
 from ..ops.delta_rule import l2norm
-from ..ops.dispatch import route_tokens, sse_attention, sse_decode
+from ..ops.fused import feature_map
+from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_features
 from ..ops.sse import Branch, Routing, SSEOptions
 from .common import ForwardContext, zero_padding
 from .linear import gdn_gates, init_gdn_decay, output_projection
@@ -88,6 +89,9 @@ class SSEAttention(nn.Module):
             self.o_norm = RMSNorm(V, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, hidden, bias=False)
 
+        # the fused feature prologue covers the reference layer's computation (GLA, all rows, no convolution)
+        self.fused_features = (self.transition == "gla" and not config.use_short_conv
+                               and (config.row_topk is None or config.row_topk >= K))
         gating = config.sse_gating
         self.options = SSEOptions(
             transition=self.transition,
@@ -108,37 +112,46 @@ class SSEAttention(nn.Module):
 
         q, k = zero_padding(self.q_proj(x), mask), zero_padding(self.k_proj(x), mask)
         lora_q, lora_k = self.lora_q_proj(x), self.lora_k_proj(x)
-        if cfg.lora_side == "sparse":
-            q_shared, k_shared, q_sparse, k_sparse = q, k, q + lora_q, k + lora_k
-        else:
-            q_shared, k_shared, q_sparse, k_sparse = q + lora_q, k + lora_k, q, k
-        conv_out = None
-        if cfg.use_short_conv:
-            conv_in = state.conv if state is not None and state.conv is not None else (None, None)
-            q_shared, conv_q = self.q_conv1d_shared(q_shared, conv_in[0], ctx.use_cache, ctx.cu_seqlens)
-            k_shared, conv_k = self.k_conv1d_shared(k_shared, conv_in[1], ctx.use_cache, ctx.cu_seqlens)
-            conv_out = (conv_q, conv_k)
 
         def heads(t, d):
             return t.view(B, T, H, d)
 
-        (q_shared, k_shared, rows_shared), (q_sparse, k_sparse, rows_sparse) = (
-            self._features(heads(q_shared, K), heads(k_shared, K)),
-            self._features(heads(q_sparse, K), heads(k_sparse, K)),
-        )
+        conv_out = None
         v = feature_map(heads(self.v_proj(x), V), cfg.v_activation)
-        if self.transition == "gla":
-            norm = cfg.gate_logit_normalizer
-            g_shared = F.logsigmoid(heads(self.gk_proj[0](x), K)) / norm
-            g_sparse = F.logsigmoid(heads(self.gk_proj[1](x), K)) / norm
-            if rows_shared is not None:  # row top-k: rows that are not written are not decayed either
-                g_shared, g_sparse = g_shared * rows_shared, g_sparse * rows_sparse
+        if self.fused_features:  # one pass: the LoRA add, both feature maps, both log-decays
+            q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = sse_features(
+                heads(q, K), heads(lora_q, K), heads(k, K), heads(lora_k, K),
+                heads(self.gk_proj[0](x), K), heads(self.gk_proj[1](x), K),
+                lora_side=cfg.lora_side, q_activation=cfg.q_activation, k_activation=cfg.key_activation("gla"),
+                normalizer=cfg.gate_logit_normalizer,
+            )
             beta_shared = beta_sparse = None
         else:
-            g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias, cfg.allow_neg_eigval)
-            (g_shared, g_sparse), (beta_shared, beta_sparse) = g.chunk(2, dim=-1), beta.chunk(2, dim=-1)
-            if cfg.gdn_gate_target == "value":
-                q_shared, k_shared, q_sparse, k_sparse = map(l2norm, (q_shared, k_shared, q_sparse, k_sparse))
+            if cfg.lora_side == "sparse":
+                q_shared, k_shared, q_sparse, k_sparse = q, k, q + lora_q, k + lora_k
+            else:
+                q_shared, k_shared, q_sparse, k_sparse = q + lora_q, k + lora_k, q, k
+            if cfg.use_short_conv:
+                conv_in = state.conv if state is not None and state.conv is not None else (None, None)
+                q_shared, conv_q = self.q_conv1d_shared(q_shared, conv_in[0], ctx.use_cache, ctx.cu_seqlens)
+                k_shared, conv_k = self.k_conv1d_shared(k_shared, conv_in[1], ctx.use_cache, ctx.cu_seqlens)
+                conv_out = (conv_q, conv_k)
+            (q_shared, k_shared, rows_shared), (q_sparse, k_sparse, rows_sparse) = (
+                self._features(heads(q_shared, K), heads(k_shared, K)),
+                self._features(heads(q_sparse, K), heads(k_sparse, K)),
+            )
+            if self.transition == "gla":
+                norm = cfg.gate_logit_normalizer
+                g_shared = F.logsigmoid(heads(self.gk_proj[0](x), K)) / norm
+                g_sparse = F.logsigmoid(heads(self.gk_proj[1](x), K)) / norm
+                if rows_shared is not None:  # row top-k: rows that are not written are not decayed either
+                    g_shared, g_sparse = g_shared * rows_shared, g_sparse * rows_sparse
+                beta_shared = beta_sparse = None
+            else:
+                g, beta = gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias, cfg.allow_neg_eigval)
+                (g_shared, g_sparse), (beta_shared, beta_sparse) = g.chunk(2, dim=-1), beta.chunk(2, dim=-1)
+                if cfg.gdn_gate_target == "value":
+                    q_shared, k_shared, q_sparse, k_sparse = map(l2norm, (q_shared, k_shared, q_sparse, k_sparse))
         shared = Branch(q_shared, *(zero_padding(t, mask) for t in (k_shared, g_shared, beta_shared)))
         sparse = Branch(q_sparse, *(zero_padding(t, mask) for t in (k_sparse, g_sparse, beta_sparse)))
         v = zero_padding(v, mask)

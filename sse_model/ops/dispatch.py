@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from . import fused
 from .delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 from .gla import chunk_gla, gla_step, recurrent_gla
 from .sse import Branch, Routing, SSEOptions, route, sse_decode_step, sse_masked, sse_recurrent, sse_varlen
@@ -52,7 +53,8 @@ def torch_linear_op(transition: str, mode: str = "chunk", chunk_size: int = 16) 
 class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
-    ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router."""
+    ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
+    ``rms_norm`` and ``sse_features`` the elementwise stages of :mod:`sse_model.ops.fused` (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -61,6 +63,8 @@ class Backend:
     sse_decode: Callable | None = None
     linear_decode: Callable | None = None
     route: Callable | None = None
+    rms_norm: Callable | None = None
+    sse_features: Callable | None = None
 
 
 _BACKENDS: list[Backend] = []
@@ -197,6 +201,26 @@ def linear_decode(transition, pool, slots, q, k, v, g, beta=None, *, scale=None,
     return o
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm (optionally gated) through the dispatch point; see :func:`sse_model.ops.fused.rms_norm`."""
+    backend = active_backend(x)
+    if backend is not None and backend.rms_norm is not None:
+        out = backend.rms_norm(x, weight, eps, gate)
+        if out is not None:
+            return out
+    return fused.rms_norm(x, weight, eps, gate)
+
+
+def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options):
+    """The SSE layer's feature prologue through the dispatch point; see :func:`sse_model.ops.fused.sse_features`."""
+    backend = active_backend(q)
+    if backend is not None and backend.sse_features is not None:
+        out = backend.sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options)
+        if out is not None:
+            return out
+    return fused.sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options)
+
+
 __all__ = [
     "Backend",
     "LINEAR_MODES",
@@ -206,9 +230,11 @@ __all__ = [
     "linear_attention",
     "linear_decode",
     "register_backend",
+    "rms_norm",
     "route_tokens",
     "select_linear_op",
     "sse_attention",
     "sse_decode",
+    "sse_features",
     "torch_linear_op",
 ]

@@ -184,6 +184,51 @@ def test_chunked_sse_gdn_on_fla_kernels(impl, dtype):
     assert rel(o, o_ref) < TOL[dtype] and rel(s, s_ref) < TOL[dtype] and grad_err < 5 * TOL[dtype]
 
 
+@pytest.mark.parametrize("D,gated", [(2304, False), (128, True)])
+def test_fused_rms_norm_real_sizes(D, gated):
+    from kernels.fused import rms_norm_triton
+    from sse_model.ops.fused import rms_norm
+
+    x = torch.randn(8192, D, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn_like(x) if gated else None
+    weight = torch.rand(D, device="cuda") + 0.5
+    leaves = [t for t in (x, weight, gate) if t is not None]
+
+    def run(fn, upcast):
+        xs = [t.detach().float().requires_grad_() if upcast else t.detach().requires_grad_() for t in leaves]
+        out = fn(xs[0], xs[1], 1e-6, xs[2] if gated else None)
+        torch.manual_seed(1)
+        return out, torch.autograd.grad((out.float() * torch.randn_like(out, dtype=torch.float32)).sum(), xs)
+
+    out, grads = run(rms_norm_triton, False)
+    ref, ref_grads = run(rms_norm, True)
+    err = max(rel(a, b) for a, b in zip(grads, ref_grads))
+    RESULTS.append((f"fused rms_norm D={D} gated={gated}: y / worst grad", rel(out, ref), err))
+    assert rel(out, ref) < TOL[torch.bfloat16] and err < TOL[torch.bfloat16]
+
+
+def test_fused_sse_features_real_sizes():
+    from kernels.fused import sse_features_triton
+    from sse_model.ops.fused import sse_features
+
+    ins = [torch.randn(4, 2048, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+    options = dict(lora_side="sparse", q_activation="silu", k_activation="softmax", normalizer=16.0)
+
+    def run(fn, upcast):
+        xs = [t.detach().float().requires_grad_() if upcast else t.detach().requires_grad_() for t in ins]
+        outs = fn(*xs, **options)
+        torch.manual_seed(1)
+        loss = sum((o.float() * torch.randn_like(o, dtype=torch.float32)).sum() for o in outs)
+        return outs, torch.autograd.grad(loss, xs)
+
+    outs, grads = run(sse_features_triton, False)
+    refs, ref_grads = run(sse_features, True)
+    out_err = max(rel(a, b) for a, b in zip(outs, refs))
+    grad_err = max(rel(a, b) for a, b in zip(grads, ref_grads))
+    RESULTS.append(("fused sse_features: worst output / worst grad", out_err, grad_err))
+    assert out_err < TOL[torch.bfloat16] and grad_err < TOL[torch.bfloat16]
+
+
 def test_model_with_and_without_backend():
     from sse_model import SSEConfig, SSEForCausalLM
 

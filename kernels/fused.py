@@ -1,0 +1,257 @@
+"""Fused elementwise stages of the model, forward and backward, one pass over memory each.
+
+At training shapes these stages cost more than their matrix products: the PyTorch definitions
+(:mod:`sse_model.ops.fused`) run as a dozen separate kernels, several through float32 copies. Here:
+
+- ``rms_norm_triton``: RMSNorm over the last dim with an optional ``silu(gate)`` factor (the block norms,
+  and the gated per-head output norm of GLA and SSE layers); float32 statistics, the weight gradient
+  reduced per program and summed once;
+- ``sse_features_triton``: the SSE layer's two sides from its projections: the LoRA add, the q and k feature
+  maps (identity, silu, softmax over the head dim) and the log-sigmoid decays, six outputs in one pass.
+
+Both treat their inputs as rows of the last dim; rows must fit one tile (up to 16k elements).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sse_model.ops.fused import ACTIVATIONS
+
+MAX_ROW = 16384
+
+
+def _rows_per_program(block: int) -> int:
+    return max(1, min(64, 4096 // block))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RMSNorm (optionally gated)
+
+
+@triton.jit
+def _rms_fwd(x, w, gate, y, rstd, M, D, eps, HAS_GATE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BD)
+    mask = (rows < M)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    xx = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xx * xx, axis=1) / D + eps)
+    out = xx * r[:, None] * tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    if HAS_GATE:
+        gg = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
+        out = out * gg * tl.sigmoid(gg)
+    tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
+    tl.store(rstd + rows, r, mask=rows < M)
+
+
+@triton.jit
+def _rms_bwd(x, w, gate, dy, rstd, dx, dgate, dw, M, D, ROWS_PER_PROG, HAS_GATE: tl.constexpr, BD: tl.constexpr,
+             BM: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    ww = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for start in range(pid * ROWS_PER_PROG, tl.minimum(pid * ROWS_PER_PROG + ROWS_PER_PROG, M), BM):
+        rows = start + tl.arange(0, BM)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        xx = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(rstd + rows, mask=rows < M, other=0.0)
+        xn = xx * r[:, None]
+        if HAS_GATE:
+            gg = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
+            sg = tl.sigmoid(gg)
+            tl.store(dgate + offs, (d * xn * ww[None, :] * sg * (1.0 + gg * (1.0 - sg))).to(dgate.dtype.element_ty),
+                     mask=mask)
+            d = d * gg * sg
+        acc += tl.sum(d * xn, axis=0)
+        dn = d * ww[None, :]
+        out = r[:, None] * (dn - xn * (tl.sum(dn * xn, axis=1) / D)[:, None])
+        tl.store(dx + offs, out.to(dx.dtype.element_ty), mask=mask)
+    tl.store(dw + pid * D + cols, acc, mask=cmask)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps):
+        shape = x.shape
+        D = shape[-1]
+        x2 = x.reshape(-1, D).contiguous()
+        g2 = None if gate is None else gate.reshape(-1, D).contiguous()
+        M = x2.shape[0]
+        y = torch.empty_like(x2)
+        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+        BD = triton.next_power_of_2(D)
+        BM = _rows_per_program(BD)
+        _rms_fwd[(triton.cdiv(M, BM),)](x2, weight, x2 if g2 is None else g2, y, rstd, M, D, eps,
+                                        HAS_GATE=g2 is not None, BD=BD, BM=BM, num_warps=4 if BD <= 1024 else 8)
+        ctx.save_for_backward(x2, weight, g2, rstd)
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, g2, rstd = ctx.saved_tensors
+        M, D = x2.shape
+        dy2 = dy.reshape(M, D).contiguous()
+        BD = triton.next_power_of_2(D)
+        BM = _rows_per_program(BD)
+        programs = max(1, min(triton.cdiv(M, BM), 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count
+                               if x2.is_cuda else 8))
+        rows_per_prog = triton.cdiv(triton.cdiv(M, programs), BM) * BM
+        programs = triton.cdiv(M, rows_per_prog)
+        dx = torch.empty_like(x2)
+        dgate = None if g2 is None else torch.empty_like(g2)
+        dw = torch.empty(programs, D, device=x2.device, dtype=torch.float32)
+        _rms_bwd[(programs,)](x2, weight, x2 if g2 is None else g2, dy2, rstd, dx, x2 if dgate is None else dgate, dw,
+                              M, D, rows_per_prog, HAS_GATE=g2 is not None, BD=BD, BM=BM,
+                              num_warps=4 if BD <= 1024 else 8)
+        shape = ctx.shape
+        return (dx.view(shape), dw.sum(0).to(weight.dtype), None if dgate is None else dgate.view(shape), None)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None):
+    """Drop-in for :func:`sse_model.ops.fused.rms_norm`; None declines (rows too long, float64)."""
+    if x.shape[-1] > MAX_ROW or x.dtype == torch.float64 or (gate is not None and gate.shape != x.shape):
+        return None
+    return _RMSNorm.apply(x, weight, gate, eps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SSE feature prologue
+
+
+@triton.jit
+def _act(x, mask, KIND: tl.constexpr):
+    if KIND == 1:
+        x = x * tl.sigmoid(x)
+    elif KIND == 2:
+        x = tl.where(mask, x, -1e30)
+        e = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+        x = e / tl.maximum(tl.sum(e, axis=1), 1e-30)[:, None]  # rows past the end are all masked
+    return x
+
+
+@triton.jit
+def _act_bwd(x, dy, mask, KIND: tl.constexpr):
+    if KIND == 1:
+        s = tl.sigmoid(x)
+        dy = dy * s * (1.0 + x * (1.0 - s))
+    elif KIND == 2:
+        y = _act(x, mask, 2)
+        dy = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+    return dy
+
+
+@triton.jit
+def _logsigmoid(x):
+    return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, inv_norm,
+                  LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
+                  BM: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    a = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
+    b = a + tl.load(ql + offs, mask=mask, other=0.0).to(tl.float32)
+    if LORA_SHARED:
+        a, b = b, a
+    tl.store(q0 + offs, _act(a, mask, QACT).to(q0.dtype.element_ty), mask=mask)
+    tl.store(q1 + offs, _act(b, mask, QACT).to(q1.dtype.element_ty), mask=mask)
+    a = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
+    b = a + tl.load(kl + offs, mask=mask, other=0.0).to(tl.float32)
+    if LORA_SHARED:
+        a, b = b, a
+    tl.store(k0 + offs, _act(a, mask, KACT).to(k0.dtype.element_ty), mask=mask)
+    tl.store(k1 + offs, _act(b, mask, KACT).to(k1.dtype.element_ty), mask=mask)
+    x = tl.load(g0 + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o0 + offs, (_logsigmoid(x) * inv_norm).to(o0.dtype.element_ty), mask=mask)
+    x = tl.load(g1 + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o1 + offs, (_logsigmoid(x) * inv_norm).to(o1.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, dk, dkl, dg0, dg1, M, K, inv_norm,
+                  LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
+                  BM: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    a = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
+    b = a + tl.load(ql + offs, mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(dq0 + offs, mask=mask, other=0.0).to(tl.float32)
+    db = tl.load(dq1 + offs, mask=mask, other=0.0).to(tl.float32)
+    if LORA_SHARED:
+        da, db = db, da
+    da = _act_bwd(a, da, mask, QACT)
+    db = _act_bwd(b, db, mask, QACT)
+    tl.store(dq + offs, (da + db).to(dq.dtype.element_ty), mask=mask)
+    tl.store(dql + offs, db.to(dql.dtype.element_ty), mask=mask)
+    a = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
+    b = a + tl.load(kl + offs, mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(dk0 + offs, mask=mask, other=0.0).to(tl.float32)
+    db = tl.load(dk1 + offs, mask=mask, other=0.0).to(tl.float32)
+    if LORA_SHARED:
+        da, db = db, da
+    da = _act_bwd(a, da, mask, KACT)
+    db = _act_bwd(b, db, mask, KACT)
+    tl.store(dk + offs, (da + db).to(dk.dtype.element_ty), mask=mask)
+    tl.store(dkl + offs, db.to(dkl.dtype.element_ty), mask=mask)
+    x = tl.load(g0 + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(do0 + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dg0 + offs, (d * inv_norm * tl.sigmoid(-x)).to(dg0.dtype.element_ty), mask=mask)
+    x = tl.load(g1 + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(do1 + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dg1 + offs, (d * inv_norm * tl.sigmoid(-x)).to(dg1.dtype.element_ty), mask=mask)
+
+
+class _Features(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, q_lora, k, k_lora, gk0, gk1, lora_shared, qact, kact, normalizer):
+        K = q.shape[-1]
+        ins = [x.contiguous() for x in (q, q_lora, k, k_lora, gk0, gk1)]
+        M = ins[0].numel() // K
+        outs = [torch.empty_like(ins[i]) for i in (0, 0, 2, 2, 4, 5)]
+        BK = max(16, triton.next_power_of_2(K))
+        BM = _rows_per_program(BK)
+        _features_fwd[(triton.cdiv(M, BM),)](*ins, *outs, M, K, 1.0 / normalizer, LORA_SHARED=lora_shared,
+                                             QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+        ctx.save_for_backward(*ins)
+        ctx.options = (lora_shared, qact, kact, normalizer)
+        q0, q1, k0, k1, g0, g1 = (x.view(q.shape) for x in outs)
+        return q0, k0, g0, q1, k1, g1
+
+    @staticmethod
+    def backward(ctx, dq0, dk0, dg0, dq1, dk1, dg1):
+        ins = ctx.saved_tensors
+        lora_shared, qact, kact, normalizer = ctx.options
+        K = ins[0].shape[-1]
+        M = ins[0].numel() // K
+        grads_in = [torch.zeros_like(ins[i]) if d is None else d.contiguous()
+                    for d, i in ((dq0, 0), (dq1, 0), (dk0, 2), (dk1, 2), (dg0, 4), (dg1, 5))]
+        grads = [torch.empty_like(x) for x in ins]
+        BK = max(16, triton.next_power_of_2(K))
+        BM = _rows_per_program(BK)
+        _features_bwd[(triton.cdiv(M, BM),)](*ins, *grads_in, *grads, M, K, 1.0 / normalizer, LORA_SHARED=lora_shared,
+                                             QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+        return (*grads, None, None, None, None)
+
+
+def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side: str, q_activation: str,
+                        k_activation: str, normalizer: float):
+    """Drop-in for :func:`sse_model.ops.fused.sse_features`; None declines (float64, shapes that differ)."""
+    ins = (q, q_lora, k, k_lora, gk_shared, gk_sparse)
+    if q.dtype == torch.float64 or any(x.shape != q.shape for x in ins) or q.shape[-1] > MAX_ROW:
+        return None
+    return _Features.apply(q, q_lora, k, k_lora, gk_shared, gk_sparse, lora_side == "shared",
+                           ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)

@@ -1,0 +1,51 @@
+"""Reference definitions of the elementwise stages that the Triton backend fuses (see ``kernels/fused.py``).
+
+Each is a chain of small PyTorch ops whose memory traffic, not arithmetic, costs the time at training shapes;
+the dispatch point (:mod:`sse_model.ops.dispatch`) runs one fused kernel per stage where a backend offers it
+and these definitions everywhere else. Tests hold the two equal, gradients included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("identity", "silu", "softmax")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dim, times ``silu(gate)`` when a gate is given (GLA's output
+    norm); computed in float32 (float64 for float64 inputs), returned in ``x``'s dtype."""
+    dtype = x.dtype
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    x32 = x.to(wide)
+    y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.to(wide)
+    if gate is not None:
+        y = y * F.silu(gate.to(wide))
+    return y.to(dtype)
+
+
+def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
+    """q/k/v feature maps over the last (head) dim; softmax runs in float32."""
+    if name == "identity":
+        return x
+    if name == "silu":
+        return F.silu(x)
+    if name == "softmax":
+        return torch.softmax(x.float() if x.dtype != torch.float64 else x, dim=-1).to(x.dtype)
+    raise ValueError(f"unknown feature map {name!r}")
+
+
+def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side: str, q_activation: str,
+                 k_activation: str, normalizer: float):
+    """The SSE (GLA transition) layer's inputs of both sides from its projections, all ``[..., H, K]``:
+    ``q`` and ``k`` plus their LoRA difference on ``lora_side``, feature-mapped; log-decays
+    ``logsigmoid(gk) / normalizer``. Returns ``(q, k, g)`` of the shared side, then of the sparse side."""
+    if lora_side == "sparse":
+        q_sh, k_sh, q_sp, k_sp = q, k, q + q_lora, k + k_lora
+    else:
+        q_sh, k_sh, q_sp, k_sp = q + q_lora, k + k_lora, q, k
+    q_sh, q_sp = feature_map(q_sh, q_activation), feature_map(q_sp, q_activation)
+    k_sh, k_sp = feature_map(k_sh, k_activation), feature_map(k_sp, k_activation)
+    g_sh, g_sp = F.logsigmoid(gk_shared) / normalizer, F.logsigmoid(gk_sparse) / normalizer
+    return q_sh, k_sh, g_sh, q_sp, k_sp, g_sp
