@@ -31,7 +31,7 @@ def _rows_per_program(block: int) -> int:
 # RMSNorm (optionally gated)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "eps"])
 def _rms_fwd(x, w, gate, y, rstd, M, D, eps, HAS_GATE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.arange(0, BD)
@@ -47,7 +47,7 @@ def _rms_fwd(x, w, gate, y, rstd, M, D, eps, HAS_GATE: tl.constexpr, BD: tl.cons
     tl.store(rstd + rows, r, mask=rows < M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ROWS_PER_PROG"])
 def _rms_bwd(x, w, gate, dy, rstd, dx, dgate, dw, M, D, ROWS_PER_PROG, HAS_GATE: tl.constexpr, BD: tl.constexpr,
              BM: tl.constexpr):
     pid = tl.program_id(0)
@@ -153,7 +153,7 @@ def _logsigmoid(x):
     return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "inv_norm"])
 def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, inv_norm,
                   LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
                   BM: tl.constexpr):
@@ -179,7 +179,7 @@ def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, inv_norm,
     tl.store(o1 + offs, (_logsigmoid(x) * inv_norm).to(o1.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "inv_norm"])
 def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, dk, dkl, dg0, dg1, M, K, inv_norm,
                   LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
                   BM: tl.constexpr):

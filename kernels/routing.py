@@ -18,7 +18,7 @@ from sse_model.ops.sse import Routing
 MAX_PARTITIONS = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _route_kernel(logits, probs, topk, L, N: tl.constexpr, KMAX: tl.constexpr, BN: tl.constexpr,
                   BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

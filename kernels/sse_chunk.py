@@ -30,7 +30,8 @@ Kernels (grid axis 2 is the head):
     ``_bwd_dv``:   per chunk: dv;
     ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights.
 The chunk tables are built on the device without a host synchronisation (grids are upper bounds; programs
-past the end return at once). The PyTorch ops of ``sse_model/ops`` are the reference the tests hold these to.
+past the end return at once); lengths are not specialised on, so packed batches of any length reuse one
+compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests hold these to.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def _intra_grads(dA, q, k, gc, C: tl.constexpr, DT: tl.constexpr, IEEE: tl.const
 # kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "S", "NP"])
 def _fwd_h(
     k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off,
     L, S, NP,
@@ -188,7 +189,7 @@ def _fwd_h(
         tl.store(ht + (srow * H + i_h) * K * V + tile, b_h, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "scale"])
 def _fwd_o(
     q, k, g, v, h, o, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
     L,
@@ -229,7 +230,7 @@ def _fwd_o(
         _store(o, b_o, start - L + rows, valid, i_h, H, V, offs_v, mv, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "S", "NP", "scale"])
 def _bwd_dh(
     q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, scale,
     L, S, NP,
@@ -269,7 +270,7 @@ def _bwd_dh(
         tl.store(dh0 + (srow * H + i_h) * K * V + tile, b_dh, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "scale"])
 def _bwd_dv(
     q, k, g, do, dh, dv, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
     L,
@@ -311,7 +312,7 @@ def _bwd_dv(
         _store(dv, b_dv, start - L + rows, valid, i_h, H, V, offs_v, mv, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "scale"])
 def _bwd_dqkg(
     q, k, g, v, do, h, dh, dq, dk, dg, dab, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
     L,

@@ -29,6 +29,16 @@ class GatedRMSNorm(RMSNorm):
         return rms_norm(x, self.weight, self.eps, gate)
 
 
+def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
+    """Several linear maps of one input as one matrix product: ``x`` is read once, and the backward runs one
+    input-gradient product instead of one per map plus their sum. Outputs are column slices (views)."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
+    return list(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))
+
+
 class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
         super().__init__()

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import LinearLayerState
-from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, row_topk_softmax
+from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, project, row_topk_softmax
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
 from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_features
@@ -111,7 +111,13 @@ class SSEAttention(nn.Module):
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
         q, k = zero_padding(self.q_proj(x), mask), zero_padding(self.k_proj(x), mask)
-        lora_q, lora_k = self.lora_q_proj(x), self.lora_k_proj(x)
+        # the narrow first halves of the low-rank maps read x together (the router stays a module call, so
+        # that hooks on e_proj see its logits)
+        narrow = [self.lora_q_proj[0], self.lora_k_proj[0]]
+        if self.transition == "gla":
+            narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
+        low = project(x, *narrow)
+        lora_q, lora_k = self.lora_q_proj[1](low[0]), self.lora_k_proj[1](low[1])
 
         def heads(t, d):
             return t.view(B, T, H, d)
@@ -121,7 +127,7 @@ class SSEAttention(nn.Module):
         if self.fused_features:  # one pass: the LoRA add, both feature maps, both log-decays
             q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = sse_features(
                 heads(q, K), heads(lora_q, K), heads(k, K), heads(lora_k, K),
-                heads(self.gk_proj[0](x), K), heads(self.gk_proj[1](x), K),
+                heads(self.gk_proj[0][1](low[2]), K), heads(self.gk_proj[1][1](low[3]), K),
                 lora_side=cfg.lora_side, q_activation=cfg.q_activation, k_activation=cfg.key_activation("gla"),
                 normalizer=cfg.gate_logit_normalizer,
             )
@@ -142,8 +148,8 @@ class SSEAttention(nn.Module):
             )
             if self.transition == "gla":
                 norm = cfg.gate_logit_normalizer
-                g_shared = F.logsigmoid(heads(self.gk_proj[0](x), K)) / norm
-                g_sparse = F.logsigmoid(heads(self.gk_proj[1](x), K)) / norm
+                g_shared = F.logsigmoid(heads(self.gk_proj[0][1](low[2]), K)) / norm
+                g_sparse = F.logsigmoid(heads(self.gk_proj[1][1](low[3]), K)) / norm
                 if rows_shared is not None:  # row top-k: rows that are not written are not decayed either
                     g_shared, g_sparse = g_shared * rows_shared, g_sparse * rows_sparse
                 beta_shared = beta_sparse = None
