@@ -78,17 +78,32 @@ def test_implementations_agree(variant, dtype, Kw, Kr):
 
 @pytest.mark.parametrize("variant", ["gla", "gdn-key", "gdn-value"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_packed_batches_agree(variant, dtype):
+@pytest.mark.parametrize("Kw,Kr", [(1, 1), (2, 2), (2, 1)])
+def test_packed_batches_agree(variant, dtype, Kw, Kr):
     opts = VARIANTS[variant]
     tensors = make_inputs(1, 40, 2, 8, 4, 4, opts.transition, dtype, num_seqs=4)
-    ref = outputs_and_grads("recurrent", opts, tensors, 1, 1, CU)
+    ref = outputs_and_grads("recurrent", opts, tensors, Kw, Kr, CU)
     for impl in ("mask", "varlen"):
-        o, state, grads = outputs_and_grads(impl, opts, tensors, 1, 1, CU)
+        o, state, grads = outputs_and_grads(impl, opts, tensors, Kw, Kr, CU)
         assert_close(o, ref[0], dtype, f"{impl} output")
         assert_close(state, ref[1], dtype, f"{impl} final state")
         for i, (a, b) in enumerate(zip(grads, ref[2])):
             assert_close(a, b, dtype, f"{impl} gradient of input {i}", grad_floor(opts, i, tensors))
     assert torch.equal(ref[1][1], tensors[-1][1]), "the empty sequence's state must not change"
+
+
+@pytest.mark.parametrize("variant", ["gla", "gdn-value"])
+def test_recurrent_packed_gradients_pass_gradcheck(variant):
+    """Packed sequences pad to a common length; padding steps must not index a partition twice (with K >= 2
+    that doubled the gradient of the state at every padded step)."""
+    opts = VARIANTS[variant]
+    cu = torch.tensor([0, 2, 7])
+    tensors = make_inputs(1, 7, 1, 3, 2, 3, opts.transition, torch.float64, num_seqs=2)
+
+    def fn(*xs):
+        return call("recurrent", opts, list(xs), 2, 2, cu)
+
+    assert torch.autograd.gradcheck(fn, tensors, atol=1e-7)
 
 
 def test_packed_equals_separate_sequences():
@@ -134,12 +149,17 @@ def test_all_partitions_selected_with_gates_is_weighted_gla():
     assert_close(o, expected, dtype, "weighted GLA sum")
 
 
+@pytest.mark.parametrize("impl", ["recurrent", "mask"])
 @pytest.mark.parametrize("variant", ["gla", "gdn-key", "gdn-value"])
-def test_unselected_partitions_are_bit_identical(variant):
+def test_unselected_partitions_are_bit_identical(variant, impl):
+    """A partition that is read but not written (K_read > K_write) is neither written nor decayed, in every
+    transition. fla's reference layer, in its masking path for SSE-GDN, masks the decay and write strength
+    with the *read* set instead: its read-only partitions decay and its write-only ones are never written,
+    unlike its own varlen path and the paper; we follow the write set everywhere."""
     opts = VARIANTS[variant]
     tensors = [t.detach() for t in make_inputs(2, 1, 2, 8, 4, 4, opts.transition, torch.float32)]
     before = tensors[-1]
-    _, after = call("recurrent", opts, tensors, 1, 2)
+    _, after = call(impl, opts, tensors, 1, 2)
     chosen = route(tensors[-2], 1, 2).write_mask[:, 0]  # [B, N]
     for b in range(2):
         for i in range(4):

@@ -200,7 +200,12 @@ def sse_recurrent(
         pad = layout.pad
         shared = Branch(*(None if x is None else pad(x) for x in (shared.q, shared.k, shared.g, shared.beta)))
         sparse = Branch(*(None if x is None else pad(x) for x in (sparse.q, sparse.k, sparse.g, sparse.beta)))
-        routing = Routing(pad(routing.probs), pad(routing.topk), routing.num_writers, routing.num_readers)
+        # padding steps have zero inputs and leave every state unchanged, but they still index partitions: give
+        # them distinct ones (0, 1, ..), since a repeated index would write one partition twice per step
+        kmax = routing.topk.shape[-1]
+        real = pad(torch.ones_like(routing.topk[..., :1], dtype=torch.bool))
+        topk = torch.where(real, pad(routing.topk), torch.arange(kmax, device=v.device))
+        routing = Routing(pad(routing.probs), topk, routing.num_writers, routing.num_readers)
         o, state = sse_recurrent(shared, sparse, pad(v), routing, opts, initial_state, output_final_state)
         return layout.unpad(o), state
 
