@@ -85,7 +85,8 @@ class SSEPreTrainedModel(PreTrainedModel):
 
 @dataclass
 class SSECausalLMOutput(MoeCausalLMOutputWithPast):
-    """``loss = lm_loss + aux_loss_coef * aux_loss``; ``aux_loss`` is the summed partition-balance loss."""
+    """In training ``loss = lm_loss + aux_loss_coef * aux_loss``, in evaluation ``loss = lm_loss``; ``aux_loss`` (the
+    summed partition-balance loss) is reported in both."""
 
     lm_loss: torch.Tensor | None = None
 
@@ -269,7 +270,8 @@ class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
                 cu_seqlens = kwargs.get("cu_seq_lens_q", cu_seqlens_from_position_ids(position_ids))
             lm_loss = causal_lm_loss(logits, labels, cu_seqlens, kwargs.get("num_items_in_batch"))
             loss = lm_loss
-            if aux_loss is not None and self.config.aux_loss_coef:
+            # the balance loss is a training objective (as in fla): evaluation losses and perplexities are the LM's
+            if aux_loss is not None and self.config.aux_loss_coef and self.training:
                 loss = lm_loss + self.config.aux_loss_coef * aux_loss.to(lm_loss.device)
         return SSECausalLMOutput(
             loss=loss,

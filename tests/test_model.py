@@ -124,7 +124,7 @@ def test_save_load_round_trip_and_auto_classes(tmp_path):
 
 
 def test_aux_loss_rises_when_routing_collapses():
-    model = tiny("sse-gla", dtype=torch.float32, mixer_types=["sse", "sse"], num_sparse_partitions=4)
+    model = tiny("sse-gla", dtype=torch.float32, mixer_types=["sse", "sse"], num_sparse_partitions=4).train()
     x = torch.randint(1, 97, (4, 64))
     balanced = model(x, labels=x)
     collapse = torch.tensor([0.0, 0.0, 10.0, 0.0])  # every token prefers partition 2
@@ -137,6 +137,20 @@ def test_aux_loss_rises_when_routing_collapses():
     assert balanced.aux_loss.item() < 2 * 1.3
     assert collapsed.aux_loss.item() > 2 * 3.9
     assert torch.allclose(collapsed.loss, collapsed.lm_loss + 0.01 * collapsed.aux_loss)
+
+
+def test_eval_loss_is_the_language_model_loss():
+    """The balance loss trains the router; evaluation losses (perplexities) leave it out and report it apart."""
+    model = tiny("sse-gla", dtype=torch.float32, mixer_types=["sse", "sse"], num_sparse_partitions=4)
+    x = torch.randint(1, 97, (2, 16))
+    model.train()
+    train = model(x, labels=x)
+    model.eval()
+    with torch.no_grad():
+        evaluation = model(x, labels=x)
+    assert torch.allclose(train.loss, train.lm_loss + 0.01 * train.aux_loss)
+    assert torch.equal(evaluation.loss, evaluation.lm_loss) and evaluation.aux_loss > 0
+    assert torch.allclose(evaluation.lm_loss, train.lm_loss)
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -177,3 +191,18 @@ def test_gradient_checkpointing_gives_same_gradients():
     model(x, labels=x).loss.backward()
     for n, p in model.named_parameters():
         assert_close(p.grad, plain[n], torch.float64, n)
+
+
+def test_paper_presets_match_the_paper():
+    """The paper's Table 7 shapes, LoRA rank 64, and non-embedding sizes near its 1.3B / 300M."""
+    for name, layers, hidden, heads, target in (("sse-h-2b", 18, 2304, 18, 1.3e9), ("sse-600m", 24, 1024, 8, 3e8)):
+        config = SSEConfig.from_preset(name)
+        assert (config.num_hidden_layers, config.hidden_size, config.num_heads) == (layers, hidden, heads)
+        assert config.resolved_lora_rank() == 64 and config.num_sparse_partitions == 4 and config.num_writers == 1
+        with torch.device("meta"):
+            model = SSEForCausalLM(config)
+        embedding = model.model.embeddings.weight.numel() + model.lm_head.weight.numel()
+        non_embedding = sum(p.numel() for p in model.parameters()) - embedding
+        assert abs(non_embedding - target) / target < 0.12, f"{name}: {non_embedding / 1e9:.3f}B"
+    assert SSEConfig.from_preset("sse-600m").mixer_types == ["sse"] * 24
+    assert SSEConfig.from_preset("sse-h-2b").mixer_types.count("attn") == 3
