@@ -57,7 +57,10 @@ class SSEConfig(PretrainedConfig):
     - ``aux_loss_coef * N / K * sum_i f_i mean(p_i)``: partition-balance loss, added to the LM loss.
 
     ``linear_qkv_bias`` gives the linear mixers' Q/K/V projections a bias (set when converting Qwen2-style
-    models, whose attention has one). ``sla_gates`` adds the head-level softmax read/write gates of Softmax Linear Attention to ``gla``,
+    models, whose attention has one); ``output_bias`` gives every mixer's output projection one (Llama with
+    ``attention_bias``). ``rope_parameters`` (transformers' format: ``rope_type`` plus its keys, e.g. Llama-3's
+    or YaRN's scaling) makes the softmax layers rotate as the converted source did; types whose frequencies
+    depend on the sequence length at run time (``dynamic``, ``longrope``) are refused. ``sla_gates`` adds the head-level softmax read/write gates of Softmax Linear Attention to ``gla``,
     ``gdn`` and ``retnet`` mixers. ``sse_implementation`` picks the SSE algorithm (``auto``, ``mask``,
     ``varlen``, ``recurrent``); ``linear_mode`` the inner linear-attention form (``auto``, ``chunk``,
     ``recurrent``).
@@ -111,7 +114,9 @@ class SSEConfig(PretrainedConfig):
         num_key_value_heads: int | None = None,
         attention_head_dim: int | None = None,
         attention_bias: bool = False,
+        output_bias: bool = False,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
         sliding_window: int | None = None,
         # tokens
         pad_token_id: int | None = None,
@@ -164,7 +169,10 @@ class SSEConfig(PretrainedConfig):
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.attention_head_dim = attention_head_dim
         self.attention_bias = attention_bias
-        self.rope_theta = rope_theta
+        self.output_bias = output_bias
+        # a scaled RoPE (transformers' ``rope_parameters``: rope_type and its keys) carries its own base
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else None
+        self.rope_theta = float(self.rope_parameters.get("rope_theta", rope_theta)) if self.rope_parameters else rope_theta
         self.sliding_window = sliding_window
         self.use_cache = use_cache
 
@@ -249,6 +257,15 @@ class SSEConfig(PretrainedConfig):
                 fail("row_topk", "row-sparse updates need a per-row (GLA) decay; not defined for the GDN transition")
         if self.linear_mode not in ("auto", "chunk", "recurrent"):
             fail("linear_mode", f"unknown mode {self.linear_mode!r}")
+        if self.rope_parameters is not None:
+            if not isinstance(self.rope_parameters, dict):
+                fail("rope_parameters", f"expected a dict, got {type(self.rope_parameters).__name__}")
+            from .modules import rope_frequencies
+
+            try:
+                rope_frequencies(8, self.rope_theta, self.rope_parameters, self.max_position_embeddings)
+            except (ValueError, KeyError) as e:
+                fail("rope_parameters", str(e))
 
     # ------------------------------------------------------------------------------------------------
     @classmethod

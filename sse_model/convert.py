@@ -5,8 +5,9 @@ the layers ``5, 11, 17, ...`` (0-based) stay softmax attention and every other l
 ``mixer_types`` for any other pattern.
 
 What is inherited: token embeddings, the LM head, every RMSNorm, every MLP, and the Q/K/V/O projections of
-every layer (biases too; Qwen2's Q/K/V biases set ``linear_qkv_bias``). Kept attention layers are copied
-exactly (same heads, GQA, RoPE base), so they compute what they computed in the source. In SSE layers the
+every layer (biases too: Qwen2's Q/K/V biases set ``linear_qkv_bias``, Llama's ``attention_bias`` also
+``output_bias``). Kept attention layers are copied exactly (same heads, GQA, RoPE base and scaling, e.g.
+Llama-3 or YaRN ``rope_parameters``), so they compute what they computed in the source. In SSE layers the
 source's K/V heads are repeated across its GQA groups, so every query head keeps reading the keys and
 values it read before; SSE gives every partition the same Q/K/V.
 
@@ -29,11 +30,15 @@ from .modeling_sse import SSEForCausalLM
 SUPPORTED = ("llama", "qwen2")
 
 
-def _rope_theta(cfg) -> float:
+def _rope(cfg) -> dict:
+    """``rope_theta`` and, for a scaled RoPE (Llama-3, YaRN, linear, ...), the source's ``rope_parameters``."""
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(cfg, "rope_theta", 10000.0))
+    params = dict(params) if isinstance(params, dict) else {}
+    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=theta)
+    return dict(rope_theta=theta, rope_parameters={**params, "rope_type": kind, "rope_theta": theta})
 
 
 def sse_config_from_transformer(cfg, mixer_types: list[str] | None = None, **overrides) -> SSEConfig:
@@ -44,6 +49,7 @@ def sse_config_from_transformer(cfg, mixer_types: list[str] | None = None, **ove
         raise ValueError(f"conversion needs a SwiGLU MLP (hidden_act='silu'), got {cfg.hidden_act!r}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+    out_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type == "llama"  # Qwen2: Q/K/V only
     layers = cfg.num_hidden_layers
     kwargs = dict(
         vocab_size=cfg.vocab_size,
@@ -60,7 +66,8 @@ def sse_config_from_transformer(cfg, mixer_types: list[str] | None = None, **ove
         num_key_value_heads=cfg.num_key_value_heads,
         attention_head_dim=head_dim,
         attention_bias=qkv_bias,
-        rope_theta=_rope_theta(cfg),
+        output_bias=out_bias,
+        **_rope(cfg),
         tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=cfg.bos_token_id,
         eos_token_id=cfg.eos_token_id,
@@ -114,6 +121,8 @@ def convert_to_sse(
                 dst_lin.bias.copy_(_repeat_kv(src_lin.bias, src_cfg.num_key_value_heads, groups, config.head_dim)
                                    if repeat else src_lin.bias)
         mixer.o_proj.weight.copy_(attn.o_proj.weight)
+        if attn.o_proj.bias is not None:
+            mixer.o_proj.bias.copy_(attn.o_proj.bias)
         if hasattr(mixer, "lora_q_proj"):
             mixer.lora_q_proj[1].weight.zero_()
             mixer.lora_k_proj[1].weight.zero_()

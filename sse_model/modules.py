@@ -92,23 +92,59 @@ def row_topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return probs.to(logits.dtype), mask
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE with the rotate-half layout of Llama, Qwen2 and fla."""
+# RoPE variants whose frequencies do not depend on the sequence length at run time (``dynamic`` and
+# ``longrope`` do: they are refused rather than silently computed as plain RoPE)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
-    def __init__(self, dim: int, base: float = 10000.0):
+
+def rope_frequencies(dim: int, base: float, parameters: dict | None = None,
+                     max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[dim / 2]`` and the factor on cos/sin (YaRN's attention scaling; 1 otherwise).
+
+    ``parameters`` are a transformers ``rope_parameters`` dict (``rope_type`` plus its keys); scaled types go
+    through transformers' own initialisers, so a converted Llama-3 or YaRN model rotates as its source did.
+    """
+    kind = (parameters or {}).get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind in LENGTH_DEPENDENT_ROPE or kind not in ROPE_INIT_FUNCTIONS:
+        supported = ["default"] + [k for k in ROPE_INIT_FUNCTIONS if k not in LENGTH_DEPENDENT_ROPE]
+        raise ValueError(f"rope_type {kind!r} is not supported (supported: {supported}); its frequencies depend on "
+                         "the sequence length at run time" if kind in LENGTH_DEPENDENT_ROPE else
+                         f"rope_type {kind!r} is not supported (supported: {supported})")
+    shim = LlamaConfig(hidden_size=dim, num_attention_heads=1, head_dim=dim,
+                       max_position_embeddings=max_position_embeddings or 2048,
+                       rope_parameters={**parameters, "rope_theta": base})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](shim, "cpu")
+    return inv_freq.float(), float(factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the rotate-half layout of Llama, Qwen2 and fla; optionally scaled (see :func:`rope_frequencies`)."""
+
+    def __init__(self, dim: int, base: float = 10000.0, parameters: dict | None = None,
+                 max_position_embeddings: int | None = None):
         super().__init__()
         self.dim = dim
         self.base = base
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+        self.rope_parameters = parameters
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_factor = rope_frequencies(dim, base, parameters, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def compute_inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        return rope_frequencies(self.dim, self.base, self.rope_parameters, self.max_position_embeddings)[0]
 
     def forward(self, q, k, position_ids):
         """``q, k: [B, T, H, D]``; ``position_ids: [B, T]``."""
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
         emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [B, T, 1, D]
         cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
 
         def rotate(x):
             x1, x2 = x.chunk(2, dim=-1)

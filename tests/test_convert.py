@@ -11,10 +11,17 @@ SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def source_model(kind):
+ROPE = {
+    "llama3": dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32),
+    "yarn": dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64),
+}
+
+
+def source_model(kind, **overrides):
     torch.manual_seed(0)
     cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
-    model = cls(cfg(**SHAPE)).eval()
+    model = cls(cfg(**{**SHAPE, **overrides})).eval()
     with torch.no_grad():  # give Qwen2's zero-initialised Q/K/V biases some values to inherit
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -46,6 +53,33 @@ def test_kept_attention_layers_compute_the_same(kind, tmp_path):
     assert torch.equal(sse.k_proj.weight[:16], source.model.layers[0].self_attn.k_proj.weight[:16])
     assert torch.equal(sse.k_proj.weight[16:32], source.model.layers[0].self_attn.k_proj.weight[:16])  # GQA repeat
     assert (sse.q_proj.bias is not None) == (kind == "qwen2")
+
+
+@pytest.mark.parametrize("case", ["llama3-rope", "yarn-rope", "llama-attention-bias"])
+def test_kept_attention_layers_compute_the_same_with_rope_scaling_and_biases(case):
+    """Scaled RoPE (Llama-3, YaRN) and Llama's ``attention_bias`` (Q/K/V and O) are inherited exactly, at
+    positions beyond the source's original context."""
+    overrides = {"llama-attention-bias": dict(attention_bias=True)}.get(case) or dict(rope_parameters=ROPE[case[:-5]])
+    source = source_model("llama", **overrides)
+    converted = convert_to_sse(source).eval()
+    T = 200
+    hidden = torch.randn(2, T, 64)
+    position_ids = torch.arange(T)[None].expand(2, -1)
+    src_layer, our_layer = source.model.layers[5], converted.model.layers[5]
+    with torch.no_grad():
+        cos_sin = source.model.rotary_emb(hidden, position_ids)
+        expected = src_layer.self_attn(hidden, position_embeddings=cos_sin, attention_mask=None)[0]
+        from sse_model.layers.common import ForwardContext
+        got = our_layer.attn(hidden, ForwardContext(position_ids, torch.arange(T)[None]))[0]
+    assert_close(got, expected, torch.float32, case)
+    if case == "llama-attention-bias":
+        assert torch.equal(converted.model.layers[0].attn.o_proj.bias, source.model.layers[0].self_attn.o_proj.bias)
+
+
+def test_length_dependent_rope_is_refused():
+    source = source_model("llama", rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0))
+    with pytest.raises(ValueError, match="rope_parameters.*'dynamic'.*sequence length"):
+        convert_to_sse(source)
 
 
 def test_converted_model_trains():

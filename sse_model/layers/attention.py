@@ -28,8 +28,9 @@ class SoftmaxAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
-        self.rotary = RotaryEmbedding(self.head_dim, base=config.rope_theta)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.output_bias)
+        self.rotary = RotaryEmbedding(self.head_dim, base=config.rope_theta, parameters=config.rope_parameters,
+                                      max_position_embeddings=config.max_position_embeddings)
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape

@@ -73,7 +73,7 @@ class LinearAttention(nn.Module):
             self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         else:
             self.o_norm = RMSNorm(V, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(H * V, hidden, bias=False)
+        self.o_proj = nn.Linear(H * V, hidden, bias=config.output_bias)
 
     def compute_log_decay(self) -> torch.Tensor:
         """RetNet's per-head decay ``gamma_h = 1 - 2^(-5-h)``, as a log."""

@@ -87,7 +87,7 @@ class SSEAttention(nn.Module):
             self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         else:
             self.o_norm = RMSNorm(V, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(H * V, hidden, bias=False)
+        self.o_proj = nn.Linear(H * V, hidden, bias=config.output_bias)
 
         # the fused feature prologue covers the reference layer's computation (GLA, all rows, no convolution)
         self.fused_features = (self.transition == "gla" and not config.use_short_conv
