@@ -53,7 +53,11 @@ class SSEConfig(PretrainedConfig):
       ``none`` are the ablations); ``num_writers`` / ``num_readers`` are the top-K of each side;
     - ``sse_transition="gla"`` (two low-rank decay gates, ``logsigmoid(.) / gate_logit_normalizer``) or
       ``"gdn"`` (gated delta rule, SSE-GDN) where ``gdn_gate_target`` says what the write gate scales:
-      ``"key"`` before the in-op L2 norm (reference; the norm then removes the gate's scale) or ``"value"``;
+      ``"key"`` (the reference) gates q and k *before* the in-op L2 norm, which divides both gates away: the
+      router then learns from the balance loss alone (its gradient from the LM loss is ~1e-5 of the query
+      projection's). ``"value"`` normalises q and k first and gates the value (write) and the query (read),
+      so the router's choice reaches the output; use it to train SSE-GDN's routing, ``"key"`` to match
+      the reference's checkpoints;
     - ``aux_loss_coef * N / K * sum_i f_i mean(p_i)``: partition-balance loss, added to the LM loss.
 
     ``linear_qkv_bias`` gives the linear mixers' Q/K/V projections a bias (set when converting Qwen2-style

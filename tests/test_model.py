@@ -206,3 +206,19 @@ def test_paper_presets_match_the_paper():
         assert abs(non_embedding - target) / target < 0.12, f"{name}: {non_embedding / 1e9:.3f}B"
     assert SSEConfig.from_preset("sse-600m").mixer_types == ["sse"] * 24
     assert SSEConfig.from_preset("sse-h-2b").mixer_types.count("attn") == 3
+
+
+def test_gdn_gate_target_value_lets_the_router_learn_from_the_output():
+    """With the reference's key gating the in-op L2 norm divides the router's gates away; value gating keeps them."""
+    ratios = {}
+    for target in ("key", "value"):
+        torch.manual_seed(0)
+        config = SSEConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, mixer_types=["sse"], num_heads=2,
+                           head_dim=8, num_sparse_partitions=4, sse_transition="gdn", gdn_gate_target=target,
+                           aux_loss_coef=0.0, intermediate_size=64)
+        model = SSEForCausalLM(config).double()
+        x = torch.randint(1, 97, (2, 24))
+        model(x, labels=x).loss.backward()
+        attn = model.model.layers[0].attn
+        ratios[target] = float(attn.e_proj.weight.grad.norm() / attn.q_proj.weight.grad.norm())
+    assert ratios["key"] < 1e-4 < 1e-3 < ratios["value"], ratios
