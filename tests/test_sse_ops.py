@@ -200,3 +200,31 @@ def test_auto_implementation_follows_the_linear_op(monkeypatch):
     assert chosen == ["sse_varlen", "sse_varlen", "sse_masked"]
     assert_close(fallback, reference, torch.float64)
     assert_close(accelerated, reference, torch.float64)
+
+
+def test_varlen_never_hands_the_linear_op_an_empty_segment():
+    """Accelerated inner ops (fla's chunked gated delta rule) mis-index the segments after an empty one, so a
+    partition that no token of a sequence chose must not become a zero-length segment; its state passes
+    through unchanged."""
+    opts = VARIANTS["gdn-value"]
+    tensors = make_inputs(1, 40, 2, 8, 4, 4, "gdn", torch.float64, num_seqs=4)
+    logits = tensors[-2]
+    with torch.no_grad():
+        logits[..., 3] -= 100.0  # partition 3 is never chosen: one empty segment per sequence
+    reference_op = torch_linear_op("gdn", "chunk", chunk_size=8)
+    seen = []
+
+    def checking_op(*args, cu_seqlens=None, **kw):
+        seen.append(cu_seqlens)
+        assert bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()), f"empty segment in {cu_seqlens.tolist()}"
+        return reference_op(*args, cu_seqlens=cu_seqlens, **kw)
+
+    n = 4
+    shared, sparse = Branch(*tensors[:n]), Branch(*tensors[n:2 * n])
+    o, state = sse_varlen(shared, sparse, tensors[2 * n], route(logits, 1, 1), opts, checking_op,
+                          initial_state=tensors[-1], output_final_state=True, cu_seqlens=CU)
+    ref_o, ref_state = call("recurrent", opts, tensors, 1, 1, CU)
+    assert seen
+    assert_close(o, ref_o, torch.float64, "output")
+    assert_close(state, ref_state, torch.float64, "final state")
+    assert torch.equal(state[:, 4], tensors[-1][:, 4]), "the never-chosen partition keeps its initial state"

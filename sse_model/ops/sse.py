@@ -359,14 +359,23 @@ def sse_varlen(
     state = None
     if initial_state is not None:
         state = torch.cat([initial_state[:, 0], initial_state[:, 1:].reshape(num_seqs * N, H, K, V)])
-    o, state = linear_op(
+    # partitions that no token of a sequence chose make empty segments; fla's chunk kernels mis-index the
+    # segments after an empty one (seen with its gated delta rule), so the op only sees non-empty segments
+    # and an empty segment's final state is its initial state
+    keep = torch.nonzero(segments[1:] > segments[:-1]).squeeze(1)
+    o, state_kept = linear_op(
         join(shared.q, q_s), join(shared.k, k_s), join(v, v_s), join(shared.g, g_s), join(shared.beta, beta_s),
         scale=opts.scale,
-        initial_state=state,
+        initial_state=None if state is None else state[keep],
         output_final_state=output_final_state,
-        cu_seqlens=segments,
+        cu_seqlens=torch.cat([segments[:1], segments[1:][keep]]),
         use_qk_l2norm=opts.qk_l2norm,
     )
+    if state_kept is not None:
+        empty = state_kept.new_zeros(segments.numel() - 1, H, K, V) if state is None else state.to(state_kept.dtype)
+        state = empty.index_copy(0, keep, state_kept)
+    else:
+        state = None
     o = o[0]
     out = o[:L] + o[L:][plan.position].sum(1)  # a gather per token: deterministic, no atomics
     if state is not None:
