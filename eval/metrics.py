@@ -22,15 +22,20 @@ def avg_at_k(correct: Sequence[Sequence[bool]]) -> float:
     return sum(sum(row) / len(row) for row in correct) / len(correct)
 
 
-def cluster_answers(answers: Sequence[str | None], equivalent: Callable[[str, str], bool] | None = None) -> list[int]:
+def cluster_answers(answers: Sequence[str | None], equivalent: Callable[[str, str], bool] | None = None,
+                    missing_votes: bool = False) -> list[int]:
     """Cluster id of each answer: equal after whitespace removal, or ``equivalent`` to a cluster's first
-    member. ``None`` answers get their own cluster each (a missing answer never wins a vote)."""
+    member. Missing answers (None or empty) get their own cluster each by default, so a missing answer never
+    wins a vote (our convention); ``missing_votes=True`` pools them into one cluster that can win, as
+    Qwen2.5-Math's evaluation does (the problem then counts as wrong when it wins)."""
     reps: list[str] = []
     ids = []
     for answer in answers:
-        if answer is None:
-            ids.append(-1 - len(ids))
-            continue
+        if answer is None or not answer.strip():
+            if not missing_votes:
+                ids.append(-1 - len(ids))
+                continue
+            answer = ""
         key = "".join(answer.split())
         for i, rep in enumerate(reps):
             if key == rep or (equivalent is not None and equivalent(answer, rep)):

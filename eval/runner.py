@@ -97,7 +97,8 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
 
 
 def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, verifier: MathVerifier,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, missing_votes: bool = False) -> dict:
+    """Metrics of one benchmark's generations; ``missing_votes``: see :func:`~eval.metrics.cluster_answers`."""
     by_key = {(r["problem_id"], r["sample"]): r for r in records}
     missing = [(p.id, s) for p in problems for s in range(repeats) if (p.id, s) not in by_key]
     if missing:
@@ -123,7 +124,7 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
         sl = slice(i * repeats, (i + 1) * repeats)
         rows.append({
             "correct": [bool(s) for s in scores[sl]],
-            "clusters": cluster_answers(chunk, equivalent),
+            "clusters": cluster_answers(chunk, equivalent, missing_votes),
             "lengths": [r["num_tokens"] for r in ordered[sl]],
             "truncated": [r["finish_reason"] == "length" for r in ordered[sl]],
         })

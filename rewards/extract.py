@@ -1,20 +1,40 @@
 """Final-answer extraction from model completions.
 
-Order of preference: the last ``\\boxed{...}`` (or ``\\fbox{...}``, braces balanced, any nesting depth), then,
-unless ``strict=True``, an explicit phrase ("The final answer is X", "Answer: X"). The work is bounded on any
-input (answers over ``MAX_ANSWER_CHARS`` count as unclosed, only the last boxes are tried) and no string
-(NUL bytes, invalid UTF-8, lone surrogates, megabytes of braces) makes it raise.
+``strict=True`` (an RL reward that wants the format): the last ``\\boxed{...}`` / ``\\fbox{...}`` only.
+
+Default (evaluation, and the accuracy reward unless a recipe asks for strict), the way common graders read
+completions: the *last stated* answer, a box or an explicit phrase ("The final answer is X", "Answer: X",
+"Final Answer: The final answer is X. I hope it is correct."), whichever comes later; when there is neither,
+:class:`Extraction` carries the completion's tail, and the verifier lets math-verify's own LaTeX /
+expression extraction find the final answer there (in a worker, under the pool's timeout). All boxes are kept,
+so that an answer given as several boxes (``\\boxed{(2,2)}`` and ``\\boxed{(6,2)}``) can be compared as a set.
+
+Answers are normalised for what models and datasets spell differently: markdown bold, full-width and other
+Unicode digits, signs and vulgar fractions (``３``, ``−``, ``½``). The work is bounded on any input (answers over
+``MAX_ANSWER_CHARS`` count as unclosed, only the last boxes are tried) and no string (NUL bytes, invalid UTF-8,
+lone surrogates, megabytes of braces) makes it raise.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 MAX_ANSWER_CHARS = 4096
+FALLBACK_TAIL_CHARS = 600  # what math-verify's own extraction sees of a completion without box or phrase
 _PHRASES = re.compile(
     r"(?:final answer|the answer)\s*(?:is|:)\s*(?P<a>[^\n]{1,300})|^\s*answer\s*:\s*(?P<b>[^\n]{1,300})",
     re.IGNORECASE | re.MULTILINE,
 )
+_HOPE = re.compile(r"\s*I hope it is correct\.?\s*$", re.IGNORECASE)
+_VULGAR = {"½": "1/2", "⅓": "1/3", "⅔": "2/3", "¼": "1/4", "¾": "3/4", "⅕": "1/5", "⅖": "2/5", "⅗": "3/5",
+           "⅘": "4/5", "⅙": "1/6", "⅚": "5/6", "⅐": "1/7", "⅛": "1/8", "⅜": "3/8", "⅝": "5/8", "⅞": "7/8",
+           "⅑": "1/9", "⅒": "1/10"}
+_UNICODE = str.maketrans({
+    **{chr(0xFF10 + d): str(d) for d in range(10)},  # full-width digits
+    "＋": "+", "－": "-", "／": "/", "．": ".", "，": ",", "（": "(", "）": ")", "＝": "=",
+    "−": "-", "–": "-", "⁄": "/", "×": "\\times ", "÷": "\\div ",
+})
 
 
 def clean_text(text) -> str:
@@ -26,6 +46,22 @@ def clean_text(text) -> str:
     if "\x00" in text:
         text = text.replace("\x00", "")
     return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def normalize_unicode(answer: str) -> str:
+    """Full-width and other Unicode digits, signs and vulgar fractions as ASCII (``３`` -> 3, ``½`` -> 1/2);
+    other Unicode digits (Arabic-Indic, ...) through their decimal value. Superscripts are left alone."""
+    if answer.isascii():
+        return answer
+    out = []
+    for ch in answer.translate(_UNICODE):
+        if ch in _VULGAR:
+            out.append(_VULGAR[ch])
+        elif not ch.isascii() and ch.isdecimal():
+            out.append(str(int(ch)))
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _braced(text: str, start: int, limit: int) -> str | None:
@@ -49,43 +85,87 @@ def _braced(text: str, start: int, limit: int) -> str | None:
     return None
 
 
-_BOX = re.compile(r"\\(?:boxed|fbox)(?=[{ ])")
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+
+def boxes(text: str, max_chars: int = MAX_ANSWER_CHARS, max_candidates: int = 32) -> list[tuple[int, str]]:
+    """``(position, content)`` of the complete ``\\boxed{...}`` / ``\\fbox{...}`` (also ``\\boxed {5}`` and
+    ``\\boxed 5``) among the last ``max_candidates``, in order. Contents over ``max_chars`` count as not closed,
+    which bounds the work on adversarial inputs."""
+    found = []
+    for m in list(_BOX.finditer(text))[-max_candidates:]:
+        after = m.end()
+        gap = re.match(r"\s*", text[after:after + 100]).end()
+        if after + gap < len(text) and text[after + gap] == "{":
+            content = _braced(text, after + gap, max_chars)
+        elif gap:
+            token = re.match(r"([^\s$]+)", text[after + gap:after + gap + 200])
+            content = token.group(1) if token else None
+        else:
+            content = None
+        if content is not None and content.strip():
+            found.append((m.start(), content.strip()))
+    return found
 
 
 def last_boxed(text: str, max_chars: int = MAX_ANSWER_CHARS, max_candidates: int = 32) -> str | None:
-    """Content of the last complete ``\\boxed{...}``/``\\fbox{...}`` (also ``\\boxed 5``), or None.
+    """Content of the last complete box, or None."""
+    found = boxes(clean_text(text), max_chars, max_candidates)
+    return found[-1][1] if found else None
 
-    Boxes whose content exceeds ``max_chars`` count as not closed; only the last ``max_candidates`` boxes
-    are tried, which bounds the work on adversarial inputs."""
+
+def _tidy(answer: str) -> str:
+    """An answer as stated in running text: without "I hope it is correct", a nested "The final answer is",
+    markdown bold, the closing period, ``$...$`` delimiters, or a box around it."""
+    for _ in range(3):
+        before = answer
+        answer = _HOPE.sub("", answer).strip()
+        nested = list(_PHRASES.finditer(answer))
+        if nested:
+            answer = (nested[-1].group("a") or nested[-1].group("b")).strip()
+        answer = answer.strip().rstrip(".").strip()
+        for mark in ("**", "__"):
+            if answer.startswith(mark) and answer.endswith(mark) and len(answer) > 2 * len(mark):
+                answer = answer[len(mark):-len(mark)].strip()
+        answer = answer.replace("**", "")
+        if answer.startswith("$") and answer.endswith("$") and len(answer) > 1:
+            answer = answer.strip("$").strip()
+        inner = last_boxed(answer)
+        if inner is not None:
+            answer = inner
+        if answer == before:
+            break
+    return answer
+
+
+@dataclass
+class Extraction:
+    """What a completion states as its answer. ``answer`` is None when there is no box and no answer phrase
+    (or, in strict mode, no box); then ``tail`` (default mode) is the end of the completion, for math-verify's
+    own extraction. ``boxes`` are all boxed answers, in order."""
+
+    answer: str | None
+    boxes: list[str] = field(default_factory=list)
+    tail: str | None = None
+
+
+def extract(text, strict: bool = False) -> Extraction:
     text = clean_text(text)
-    starts = [m.end() for m in _BOX.finditer(text)]
-    for after in reversed(starts[-max_candidates:]):
-        if text[after] == "{":
-            content = _braced(text, after, max_chars)
-        else:
-            match = re.match(r" +([^\s$]+)", text[after:after + 200])
-            content = match.group(1) if match else None
-        if content is not None:
-            return content.strip()
-    return None
-
-
-def _strip_phrase(answer: str) -> str:
-    answer = answer.strip().rstrip(".").strip()
-    if answer.startswith("$") and answer.endswith("$") and len(answer) > 1:
-        answer = answer.strip("$").strip()
-    inner = last_boxed(answer)
-    return inner if inner is not None else answer
+    found = boxes(text)
+    contents = [normalize_unicode(c) for _, c in found]
+    if strict:
+        return Extraction(contents[-1] if contents else None, contents)
+    phrases = list(_PHRASES.finditer(text))
+    phrase = phrases[-1] if phrases else None
+    if phrase is not None and (not found or phrase.start() > found[-1][0]):
+        answer = _tidy(phrase.group("a") or phrase.group("b"))
+        return Extraction(normalize_unicode(answer) if answer else None, contents)
+    if found:
+        return Extraction(contents[-1], contents)
+    tail = text[-FALLBACK_TAIL_CHARS:].strip()
+    return Extraction(None, [], normalize_unicode(tail) if tail else None)
 
 
 def extract_answer(text, strict: bool = False) -> str | None:
-    """The final answer in ``text``: last box, else (unless ``strict``) the last answer phrase; None if none."""
-    text = clean_text(text)
-    boxed = last_boxed(text)
-    if boxed is not None or strict:
-        return boxed
-    matches = list(_PHRASES.finditer(text))
-    if not matches:
-        return None
-    match = matches[-1]
-    return _strip_phrase(match.group("a") or match.group("b"))
+    """The final answer in ``text`` (see :func:`extract`); None if none is stated."""
+    return extract(text, strict).answer

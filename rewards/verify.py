@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from multiprocessing.connection import wait
 
-from .extract import MAX_ANSWER_CHARS, clean_text, extract_answer
+from .extract import MAX_ANSWER_CHARS, clean_text, extract, normalize_unicode
 
 
 def _as_latex(answer: str) -> str:
@@ -51,12 +51,23 @@ def _parse_gold(gold: str):
     return parse(_as_latex(gold), parsing_timeout=None)
 
 
+_ELLIPSIS = re.compile(r"\\[lcv]?dots\b|\\ldots|\\cdots|\.\.\.|…")
+
+
+def _sequence_form(answer: str) -> str:
+    return _ELLIPSIS.sub("...", _normalise(answer)).replace("{", "").replace("}", "")
+
+
 def answers_match(prediction: str, gold: str) -> bool:
     """True if ``prediction`` is mathematically equal to ``gold`` (both answer strings, LaTeX or plain).
 
+    An answer with an ellipsis (a sequence or pattern, ``1, 3, 5, \\ldots, 2n-1``) is compared as written:
+    math-verify reads such lists as a single number and would call any two of them equal.
     Runs math-verify with its own timeouts off: call it only inside a worker of :class:`VerifierPool`."""
     if _normalise(prediction) == _normalise(gold):
         return True
+    if _ELLIPSIS.search(prediction) or _ELLIPSIS.search(gold):
+        return _sequence_form(prediction) == _sequence_form(gold)
     from math_verify import parse, verify
 
     prediction, gold = _canonical(prediction), _canonical(gold)
@@ -71,8 +82,31 @@ def answers_match(prediction: str, gold: str) -> bool:
     return False
 
 
+def judge(candidates: tuple[str, ...], tail: str | None, gold: str) -> tuple[bool, str | None]:
+    """Whether any candidate answer equals ``gold``; with no candidate, math-verify's own extraction of the
+    final answer in ``tail``. Returns (correct, the answer that was judged)."""
+    for candidate in candidates:
+        if answers_match(candidate, gold):
+            return True, candidate
+    if candidates or not tail:
+        return False, candidates[0] if candidates else None
+    from math_verify import parse, verify
+
+    found = parse(tail, parsing_timeout=None)
+    if not found:
+        return False, None
+    answer = str(found[-1])
+    if _ELLIPSIS.search(gold):
+        return answers_match(answer, gold), answer
+    # the gold as LaTeX, and as math-verify reads plain text (what its extraction did to the completion)
+    for gold_parsed in (_parse_gold(_canonical(gold)), parse(gold, parsing_timeout=None)):
+        if gold_parsed and verify(gold_parsed, found, timeout_seconds=None):
+            return True, answer
+    return False, answer
+
+
 def _worker_main(conn) -> None:
-    """Worker loop: ``(job, prediction, gold)`` in, ``(job, correct, error)`` out; ``None`` stops it."""
+    """Worker loop: ``(job, candidates, tail, gold)`` in, ``(job, correct, answer, error)`` out; ``None`` stops it."""
     import logging
     import signal
 
@@ -85,12 +119,12 @@ def _worker_main(conn) -> None:
             return
         if message is None:
             return
-        job, prediction, gold = message
+        job, candidates, tail, gold = message
         try:
-            conn.send((job, answers_match(prediction, gold), None))
+            conn.send((job, *judge(candidates, tail, gold), None))
         except BaseException as err:  # noqa: BLE001 - any failure of one item scores 0, the worker lives on
             try:
-                conn.send((job, False, f"{type(err).__name__}: {str(err)[:200]}"))
+                conn.send((job, False, None, f"{type(err).__name__}: {str(err)[:200]}"))
             except (OSError, ValueError):
                 return
 
@@ -98,8 +132,9 @@ def _worker_main(conn) -> None:
 @dataclass
 class Verdict:
     correct: bool
-    status: str  # ok | no_answer | too_long | timeout | crash | error
+    status: str  # ok | no_answer | too_long | gold_too_long | timeout | crash | error
     seconds: float = 0.0  # from dispatch to a worker until the verdict
+    answer: str | None = None  # what was judged (math-verify's extraction when the completion stated none)
 
 
 @dataclass
@@ -113,12 +148,14 @@ class VerifyStats:
     errors: int = 0
     no_answer: int = 0
     too_long: int = 0
+    gold_too_long: int = 0
     unique_pairs: int = 0
     correct: int = 0
     extra: dict = field(default_factory=dict)
 
     def as_dict(self, prefix: str = "") -> dict:
-        keys = ("items", "seconds", "timeouts", "crashes", "errors", "no_answer", "too_long", "unique_pairs", "correct")
+        keys = ("items", "seconds", "timeouts", "crashes", "errors", "no_answer", "too_long", "gold_too_long",
+                "unique_pairs", "correct")
         return {f"{prefix}{k}": getattr(self, k) for k in keys}
 
 
@@ -162,7 +199,9 @@ class VerifierPool:
         self.restarts = 0
         atexit.register(self.close)
 
-    def map(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
+    def map(self, items: list[tuple]) -> list[Verdict]:
+        """``items``: ``(candidates, tail, gold)`` (see :func:`judge`) or plain ``(prediction, gold)`` pairs."""
+        pairs = [((item[0],), None, item[1]) if len(item) == 2 else item for item in items]
         if not self._workers:
             raise RuntimeError("the verifier pool is closed")
         results: list[Verdict | None] = [None] * len(pairs)
@@ -189,9 +228,10 @@ class VerifierPool:
                 w = conns[conn]
                 job = busy.pop(w)[0]
                 try:
-                    got_job, correct, error = conn.recv()
+                    got_job, correct, answer, error = conn.recv()
                     assert got_job == job
-                    results[job] = Verdict(bool(correct), "error" if error else "ok", time.monotonic() - started[job])
+                    status = "error" if error else ("no_answer" if answer is None else "ok")  # nothing to judge
+                    results[job] = Verdict(bool(correct), status, time.monotonic() - started[job], answer)
                 except (EOFError, OSError, AssertionError):
                     results[job] = Verdict(False, "crash", time.monotonic() - started[job])
                     self._replace(w)
@@ -238,20 +278,28 @@ class MathVerifier:
         self.max_answer_chars = max_answer_chars
 
     def score(self, completions: list, golds: list) -> tuple[list[float], VerifyStats, list[str | None]]:
+        """Scores, stats, and the answer judged for each completion (None where none was found)."""
         if len(completions) != len(golds):
             raise ValueError(f"{len(completions)} completions but {len(golds)} ground-truth answers")
         start = time.perf_counter()
         stats = VerifyStats(items=len(completions))
-        answers = [extract_answer(text, strict=self.strict) for text in completions]
+        extractions = [extract(text, strict=self.strict) for text in completions]
         verdicts: list[Verdict | None] = [None] * len(completions)
-        unique: dict[tuple[str, str], list[int]] = {}
-        for i, (answer, gold) in enumerate(zip(answers, golds)):
-            if answer is None or not answer.strip():
+        unique: dict[tuple, list[int]] = {}
+        for i, (found, gold) in enumerate(zip(extractions, golds)):
+            gold = normalize_unicode(clean_text(gold)).strip()
+            candidates = [found.answer] if found.answer else []
+            distinct = list(dict.fromkeys(found.boxes))
+            if len(distinct) >= 2:  # an answer given as several boxes: compare them together, as a set
+                candidates.append(", ".join(distinct))
+            if len(gold) > self.max_answer_chars:
+                verdicts[i] = Verdict(False, "gold_too_long")
+            elif not candidates and not found.tail:
                 verdicts[i] = Verdict(False, "no_answer")
-            elif len(answer) > self.max_answer_chars:
-                verdicts[i] = Verdict(False, "too_long")
+            elif any(len(c) > self.max_answer_chars for c in candidates):
+                verdicts[i] = Verdict(False, "too_long", answer=found.answer)
             else:
-                unique.setdefault((answer, clean_text(gold)), []).append(i)
+                unique.setdefault((tuple(candidates), None if candidates else found.tail, gold), []).append(i)
         keys = list(unique)
         for key, verdict in zip(keys, self.pool.map(keys)):
             for i in unique[key]:
@@ -259,18 +307,12 @@ class MathVerifier:
         self.last_verdicts = verdicts
         for verdict in verdicts:
             stats.correct += verdict.correct
-            if verdict.status == "timeout":
-                stats.timeouts += 1
-            elif verdict.status == "crash":
-                stats.crashes += 1
-            elif verdict.status == "error":
-                stats.errors += 1
-            elif verdict.status == "no_answer":
-                stats.no_answer += 1
-            elif verdict.status == "too_long":
-                stats.too_long += 1
+            if verdict.status in ("timeout", "crash", "error", "no_answer", "too_long", "gold_too_long"):
+                name = {"timeout": "timeouts", "crash": "crashes", "error": "errors"}.get(verdict.status, verdict.status)
+                setattr(stats, name, getattr(stats, name) + 1)
         stats.unique_pairs = len(keys)
         stats.seconds = time.perf_counter() - start
+        answers = [v.answer if v.answer is not None else e.answer for v, e in zip(verdicts, extractions)]
         return [float(v.correct) for v in verdicts], stats, answers
 
     def close(self) -> None:

@@ -102,3 +102,12 @@ def test_end_to_end_eval_resumes(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["benchmarks"].keys() == {"aime24", "amc23"}
     assert "| aime24 | 2 | 3 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 1000
+
+
+def test_missing_answers_vote_only_when_asked():
+    answers = [None, None, "", "5", "7"]
+    ours = cluster_answers(answers)
+    assert majority_correct(ours, [False, False, False, True, False], k=5)  # missing never wins: "5" is first
+    pooled = cluster_answers(answers, missing_votes=True)
+    assert pooled[0] == pooled[1] == pooled[2]
+    assert not majority_correct(pooled, [False, False, False, True, False], k=5)  # three missing outvote "5"

@@ -1,6 +1,7 @@
 """Rewards: labelled verdicts, adversarial inputs under a hard timeout, TRL-style reward functions."""
 
 import multiprocessing as mp
+import time
 import os
 import random
 import sys
@@ -124,3 +125,56 @@ def test_trl_reward_functions(verifier):
     assert over(completions=["a"] * 4, completion_ids=[[0] * 50, [0] * 80, [0] * 90, [0] * 120]) == [0.0, 0.0, -0.5, -1.0]
     with pytest.raises(ValueError):
         OverlongPenalty(10, 20)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# extraction and verification the way the common graders do it
+
+
+GRADER_CASES = [  # (what, completion, gold, default verdict, strict verdict)
+    ("fallback: no box, no phrase", "We solve the inequality step by step.\nTherefore x >= 5 is the solution.",
+     "x \\ge 5", True, False),
+    ("fallback: a number at the end", "Adding the two parts gives a total of 42 apples.", "42", True, False),
+    ("fallback: wrong number", "Adding the two parts gives a total of 41 apples.", "42", False, False),
+    ("several boxes form the answer", "The solutions are \\boxed{(2,2)} and \\boxed{(6,2)}.", "(2, 2), (6, 2)",
+     True, True),
+    ("nested final-answer phrase", "Final Answer: The final answer is 7.78.", "7.78", True, False),
+    ("nested phrase and hope", "Final Answer: The final answer is $7.78$. I hope it is correct.", "7.78", True, False),
+    ("markdown bold", "So the answer is: **73**", "73", True, False),
+    ("space before the brace", "Hence \\boxed {5}.", "5", True, True),
+    ("the last stated answer wins", "First guess \\boxed{3}. Checking again, that was wrong.\nFinal answer: 5",
+     "5", True, False),
+    ("an earlier phrase loses to a later box", "The answer is 3? No: recomputing, \\boxed{5}", "5", True, True),
+    ("sequences are not numbers", "\\boxed{1, 3, 5, \\ldots, 2n-1}", "1, 2, \\ldots, n", False, False),
+    ("the same sequence", "\\boxed{1,2,\\dots,n}", "1, 2, \\ldots, n", True, True),
+    ("full-width digits", "\\boxed{３}", "3", True, True),
+    ("vulgar fraction", "\\boxed{½}", "\\frac{1}{2}", True, True),
+    ("unicode minus", "\\boxed{−5}", "-5", True, True),
+    ("unicode gold", "\\boxed{12}", "１２", True, True),
+]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_grader_behaviour(verifier, strict):
+    checker = MathVerifier(pool=verifier.pool, strict=strict)
+    scores, stats, _ = checker.score([c[1] for c in GRADER_CASES], [c[2] for c in GRADER_CASES])
+    wrong = [(c[0], s) for c, s in zip(GRADER_CASES, scores) if bool(s) != c[4 if strict else 3]]
+    assert not wrong, f"{'strict' if strict else 'default'} mode disagrees on: {wrong}"
+    assert stats.timeouts == 0 and stats.crashes == 0
+
+
+def test_extraction_details():
+    assert extract_answer("Final Answer: The final answer is 7.78.") == "7.78"
+    assert extract_answer("The answer is **73**.") == "73"
+    assert extract_answer("\\boxed {x+1}") == "x+1"
+    assert extract_answer("\\boxed{3} then The final answer is 4") == "4"
+    assert extract_answer("The final answer is 4, so \\boxed{3}") == "3"
+    assert extract_answer("Thus the answer is $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
+    assert extract_answer("nothing stated here") is None  # left to math-verify's extraction by the verifier
+
+
+def test_gold_answers_are_length_capped(verifier):
+    start = time.perf_counter()
+    scores, stats, _ = verifier.score(["\\boxed{1}"], ["1" * 1_000_000])
+    assert scores == [0.0] and stats.gold_too_long == 1
+    assert time.perf_counter() - start < 1.0, "a megabyte of gold must be refused, not verified"

@@ -186,7 +186,7 @@ CASES = [
     ("missing", "The result follows from \\boxed{", "12", False),
     ("missing", "", "12", False),
     ("missing", boxed("\\text{}"), "12", False),
-    ("missing", "Maybe 12? I am not sure.", "12", False),  # no final answer stated: see DELIBERATE
+    ("missing", "Maybe 12? I am not sure.", "12", True),  # no box or phrase: math-verify's extraction; see DELIBERATE
     ("missing", "\\boxed{}\\boxed{}", "0", False),
     # the nested brace cases
     ("nested", boxed("\\frac{\\frac{1}{2}}{2}"), "\\frac{1}{4}", True),
@@ -203,6 +203,8 @@ CASES = [
 
 # Verdicts that a lenient human grader might give differently, kept on purpose:
 DELIBERATE = {
-    "Maybe 12? I am not sure.": "no committed final answer (no box, no answer phrase): scores 0 even if the "
-                                "number appears; GRPO must not reward hedging.",
+    "Maybe 12? I am not sure.": "no box and no answer phrase: the default mode (evaluation, the default reward) "
+                                "lets math-verify find the final answer, as the common graders do; a recipe that "
+                                "must not reward hedging asks for the strict reward (boxed answers only), which "
+                                "scores it 0.",
 }
