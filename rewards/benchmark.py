@@ -51,6 +51,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--peer", action="store_true", help="also time bare math-verify (parse + verify) on the same items")
     args = parser.parse_args(argv)
     data = Path(__file__).resolve().parent.parent / "eval" / "data" / "math500.jsonl"
     golds = [json.loads(line)["answer"] for line in data.read_text().splitlines()]
@@ -69,6 +70,19 @@ def main(argv=None) -> dict:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("| " + " | ".join(str(result[k]) for k in ("items", "tokens_per_item", "workers", "seconds", "items_per_s",
                                                        "mean_reward", "unique_pairs", "timeouts", "no_answer")) + " |")
+    if args.peer:
+        from concurrent.futures import ProcessPoolExecutor
+
+        from .bench_graders import _bare
+
+        with ProcessPoolExecutor(args.workers) as executor:
+            list(executor.map(_bare, [("1", "1")] * args.workers))
+            start = time.perf_counter()
+            bare = list(executor.map(_bare, list(zip(golds, completions)), chunksize=8))
+            peer_seconds = time.perf_counter() - start
+        result["peer_items_per_s"] = round(args.items / peer_seconds, 1)
+        print(f"\nbare math-verify (parse + verify, {args.workers} processes, no timeout) on the same items: "
+              f"{peer_seconds:.2f} s, {result['peer_items_per_s']} items/s, mean reward {sum(bare) / len(bare):.3f}")
     return result
 
 

@@ -21,12 +21,13 @@ import re
 from dataclasses import dataclass, field
 
 MAX_ANSWER_CHARS = 4096
-FALLBACK_TAIL_CHARS = 600  # what math-verify's own extraction sees of a completion without box or phrase
+FALLBACK_TAIL_CHARS = 2048  # what math-verify's own extraction sees of a completion without box or phrase
+PHRASE_WINDOW_CHARS = 8192  # without a box, answer phrases are looked for at the end of the completion
 _PHRASES = re.compile(
     r"(?:final answer|the answer)\s*(?:is|:)\s*(?P<a>[^\n]{1,300})|^\s*answer\s*:\s*(?P<b>[^\n]{1,300})",
     re.IGNORECASE | re.MULTILINE,
 )
-_HOPE = re.compile(r"\s*I hope it is correct\.?\s*$", re.IGNORECASE)
+_HOPE = re.compile(r"\s*I hope it is correct\b.*$", re.IGNORECASE | re.DOTALL)
 _VULGAR = {"½": "1/2", "⅓": "1/3", "⅔": "2/3", "¼": "1/4", "¾": "3/4", "⅕": "1/5", "⅖": "2/5", "⅗": "3/5",
            "⅘": "4/5", "⅙": "1/6", "⅚": "5/6", "⅐": "1/7", "⅛": "1/8", "⅜": "3/8", "⅝": "5/8", "⅞": "7/8",
            "⅑": "1/9", "⅒": "1/10"}
@@ -123,6 +124,12 @@ def _tidy(answer: str) -> str:
         nested = list(_PHRASES.finditer(answer))
         if nested:
             answer = (nested[-1].group("a") or nested[-1].group("b")).strip()
+        answer = answer.strip()
+        span = re.match(r"\$([^$]{1,%d})\$" % MAX_ANSWER_CHARS, answer) or re.match(r"\\\((.{1,%d}?)\\\)" % MAX_ANSWER_CHARS, answer)
+        if span:  # "$x$. Some more sentences": the math span is the answer
+            answer = span.group(1).strip()
+        else:  # "16. Then we check ...": the first sentence
+            answer = re.split(r"\.\s+(?=[A-Z])", answer, maxsplit=1)[0]
         answer = answer.strip().rstrip(".").strip()
         for mark in ("**", "__"):
             if answer.startswith(mark) and answer.endswith(mark) and len(answer) > 2 * len(mark):
@@ -155,10 +162,11 @@ def extract(text, strict: bool = False) -> Extraction:
     contents = [normalize_unicode(c) for _, c in found]
     if strict:
         return Extraction(contents[-1] if contents else None, contents)
-    phrases = list(_PHRASES.finditer(text))
-    phrase = phrases[-1] if phrases else None
-    if phrase is not None and (not found or phrase.start() > found[-1][0]):
-        answer = _tidy(phrase.group("a") or phrase.group("b"))
+    # only a phrase after the last box can be the last stated answer
+    start = found[-1][0] if found else max(0, len(text) - PHRASE_WINDOW_CHARS)
+    phrases = list(_PHRASES.finditer(text, start))
+    if phrases and (not found or phrases[-1].start() > found[-1][0]):
+        answer = _tidy(phrases[-1].group("a") or phrases[-1].group("b"))
         return Extraction(normalize_unicode(answer) if answer else None, contents)
     if found:
         return Extraction(contents[-1], contents)

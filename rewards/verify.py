@@ -30,18 +30,24 @@ def _as_latex(answer: str) -> str:
 
 
 def _normalise(answer: str) -> str:
-    return "".join(answer.split()).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").rstrip(".")
+    return "".join(answer.split()).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").rstrip(".").rstrip("\\")
 
 
 _E_NOTATION = re.compile(r"(?<![\\\w])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?![\w])")
 _THIN_SPACE_GROUPS = re.compile(r"(?<=\d)\\[,;:! ](?=\d{3}(?!\d))")
+_BRACED_COMMA_GROUPS = re.compile(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3}(?!\d))")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def _canonical(answer: str) -> str:
-    """Spellings math-verify misses: currency signs, ``1.5e3``, ``1\\,000``."""
+    """Spellings math-verify misses: currency signs, ``1.5e3``, thousands separators ``1\\,000``,
+    ``14{,}916`` and, for a lone number, ``12,000,023``."""
     answer = answer.replace("\\$", "").replace("\\dollar", "")
     answer = _E_NOTATION.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", answer)
-    return _THIN_SPACE_GROUPS.sub("", answer)
+    answer = _BRACED_COMMA_GROUPS.sub("", _THIN_SPACE_GROUPS.sub("", answer))
+    if _THOUSANDS.fullmatch(answer.strip()):
+        answer = answer.replace(",", "")
+    return answer
 
 
 @lru_cache(maxsize=4096)
@@ -52,6 +58,12 @@ def _parse_gold(gold: str):
 
 
 _ELLIPSIS = re.compile(r"\\[lcv]?dots\b|\\ldots|\\cdots|\.\.\.|…")
+_LISTED_ELLIPSIS = re.compile(r",\s*(?:\\[lcv]?dots\b|\.\.\.|…)|(?:\\[lcv]?dots\b|\.\.\.|…)\s*,")
+
+
+def _is_sequence(answer: str) -> bool:
+    """A short answer that lists terms with an ellipsis (not a worked solution that mentions one)."""
+    return len(answer) <= 200 and bool(_LISTED_ELLIPSIS.search(answer))
 
 
 def _sequence_form(answer: str) -> str:
@@ -66,7 +78,7 @@ def answers_match(prediction: str, gold: str) -> bool:
     Runs math-verify with its own timeouts off: call it only inside a worker of :class:`VerifierPool`."""
     if _normalise(prediction) == _normalise(gold):
         return True
-    if _ELLIPSIS.search(prediction) or _ELLIPSIS.search(gold):
+    if _is_sequence(prediction) or _is_sequence(gold):
         return _sequence_form(prediction) == _sequence_form(gold)
     from math_verify import parse, verify
 
@@ -88,15 +100,20 @@ def judge(candidates: tuple[str, ...], tail: str | None, gold: str) -> tuple[boo
     for candidate in candidates:
         if answers_match(candidate, gold):
             return True, candidate
-    if candidates or not tail:
-        return False, candidates[0] if candidates else None
+    if candidates:
+        first = candidates[0]
+        if not re.search(r"[A-Za-z]{3,}\s+[A-Za-z]{3,}", first):  # an answer, not a sentence: judged as such
+            return False, first
+        tail = first  # a sentence ("Sphere was planted 3 hours ago"): math-verify finds its answer
+    if not tail:
+        return False, None
     from math_verify import parse, verify
 
     found = parse(tail, parsing_timeout=None)
     if not found:
-        return False, None
+        return False, candidates[0] if candidates else None
     answer = str(found[-1])
-    if _ELLIPSIS.search(gold):
+    if _is_sequence(gold):
         return answers_match(answer, gold), answer
     # the gold as LaTeX, and as math-verify reads plain text (what its extraction did to the completion)
     for gold_parsed in (_parse_gold(_canonical(gold)), parse(gold, parsing_timeout=None)):
