@@ -149,6 +149,28 @@ def _act_bwd(x, dy, mask, KIND: tl.constexpr):
 
 
 @triton.jit
+def _sides(x, lora, offs, mask, LORA_SHARED: tl.constexpr):
+    """Pre-activations ``(x, x + lora)`` as (shared, sparse), or swapped when the LoRA is on the shared side."""
+    a = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    b = a + tl.load(lora + offs, mask=mask, other=0.0).to(tl.float32)
+    if LORA_SHARED:
+        a, b = b, a
+    return a, b
+
+
+@triton.jit
+def _side_grads(x, lora, dy0, dy1, dx, dlora, offs, mask, LORA_SHARED: tl.constexpr, ACT: tl.constexpr):
+    """Gradients of ``x`` and ``lora`` from those of ``act(shared)`` and ``act(sparse)``."""
+    a, b = _sides(x, lora, offs, mask, LORA_SHARED)
+    da = _act_bwd(a, tl.load(dy0 + offs, mask=mask, other=0.0).to(tl.float32), mask, ACT)
+    db = _act_bwd(b, tl.load(dy1 + offs, mask=mask, other=0.0).to(tl.float32), mask, ACT)
+    tl.store(dx + offs, (da + db).to(dx.dtype.element_ty), mask=mask)
+    if LORA_SHARED:
+        db = da
+    tl.store(dlora + offs, db.to(dlora.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _logsigmoid(x):
     return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
 
@@ -161,16 +183,10 @@ def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, inv_norm,
     cols = tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    a = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
-    b = a + tl.load(ql + offs, mask=mask, other=0.0).to(tl.float32)
-    if LORA_SHARED:
-        a, b = b, a
+    a, b = _sides(q, ql, offs, mask, LORA_SHARED)
     tl.store(q0 + offs, _act(a, mask, QACT).to(q0.dtype.element_ty), mask=mask)
     tl.store(q1 + offs, _act(b, mask, QACT).to(q1.dtype.element_ty), mask=mask)
-    a = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
-    b = a + tl.load(kl + offs, mask=mask, other=0.0).to(tl.float32)
-    if LORA_SHARED:
-        a, b = b, a
+    a, b = _sides(k, kl, offs, mask, LORA_SHARED)
     tl.store(k0 + offs, _act(a, mask, KACT).to(k0.dtype.element_ty), mask=mask)
     tl.store(k1 + offs, _act(b, mask, KACT).to(k1.dtype.element_ty), mask=mask)
     x = tl.load(g0 + offs, mask=mask, other=0.0).to(tl.float32)
@@ -187,26 +203,8 @@ def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, d
     cols = tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    a = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
-    b = a + tl.load(ql + offs, mask=mask, other=0.0).to(tl.float32)
-    da = tl.load(dq0 + offs, mask=mask, other=0.0).to(tl.float32)
-    db = tl.load(dq1 + offs, mask=mask, other=0.0).to(tl.float32)
-    if LORA_SHARED:
-        da, db = db, da
-    da = _act_bwd(a, da, mask, QACT)
-    db = _act_bwd(b, db, mask, QACT)
-    tl.store(dq + offs, (da + db).to(dq.dtype.element_ty), mask=mask)
-    tl.store(dql + offs, db.to(dql.dtype.element_ty), mask=mask)
-    a = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
-    b = a + tl.load(kl + offs, mask=mask, other=0.0).to(tl.float32)
-    da = tl.load(dk0 + offs, mask=mask, other=0.0).to(tl.float32)
-    db = tl.load(dk1 + offs, mask=mask, other=0.0).to(tl.float32)
-    if LORA_SHARED:
-        da, db = db, da
-    da = _act_bwd(a, da, mask, KACT)
-    db = _act_bwd(b, db, mask, KACT)
-    tl.store(dk + offs, (da + db).to(dk.dtype.element_ty), mask=mask)
-    tl.store(dkl + offs, db.to(dkl.dtype.element_ty), mask=mask)
+    _side_grads(q, ql, dq0, dq1, dq, dql, offs, mask, LORA_SHARED, QACT)
+    _side_grads(k, kl, dk0, dk1, dk, dkl, offs, mask, LORA_SHARED, KACT)
     x = tl.load(g0 + offs, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(do0 + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dg0 + offs, (d * inv_norm * tl.sigmoid(-x)).to(dg0.dtype.element_ty), mask=mask)

@@ -97,6 +97,42 @@ def _dot(a, b, DT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C: tl.constexpr):
+    """First row and rows (see :func:`_rows`) of chunk ``gid``."""
+    start = tl.load(chunk_start + gid).to(tl.int64)
+    end = tl.load(cu_seg + tl.load(chunk_seg + gid) + 1).to(tl.int64)
+    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    return start, t, valid, a, b, m
+
+
+@triton.jit
+def _qkg(q, k, g, t, valid, a, b, m, i_h, H: tl.constexpr, K: tl.constexpr, offs_k, mk):
+    """One K-block of a chunk's gated q and k and its log2-decay ``g * m * log2(e)`` (not yet summed)."""
+    qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
+    kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
+    gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+    return qq, kk, gg
+
+
+@triton.jit
+def _segment(cu_seg, chunk_off, seg, S, NP):
+    """Row range, first chunk id and state row of a segment."""
+    bos = tl.load(cu_seg + seg).to(tl.int64)
+    eos = tl.load(cu_seg + seg + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + seg).to(tl.int64)
+    return bos, eos, c0, _state_row(seg, S, NP).to(tl.int64)
+
+
+@triton.jit
+def _state_tile(i_kv, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Key / value offsets of program ``i_kv``'s ``[BK, BV]`` tile of a ``[K, V]`` state, its offsets and mask."""
+    offs_k = (i_kv // NV) * BK + tl.arange(0, BK)
+    offs_v = (i_kv % NV) * BV + tl.arange(0, BV)
+    mk, mv = offs_k < K, offs_v < V
+    return offs_k, offs_v, mk, mv, offs_k[:, None] * V + offs_v[None, :], mk[:, None] & mv[None, :]
+
+
+@triton.jit
 def _state_row(seg, S, NP):
     """Row of ``[num_seqs * (1 + NP), H, K, V]`` states for a segment (shared ones first, then sparse)."""
     if seg >= S:
@@ -159,20 +195,12 @@ def _fwd_h(
     NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_k, i_v = i_kv // NV, i_kv % NV
-    bos = tl.load(cu_seg + seg).to(tl.int64)
-    eos = tl.load(cu_seg + seg + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + seg).to(tl.int64)
+    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
+    offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     if seg >= S:
         k_ptr, g_ptr = k_sp, g_sp
     else:
         k_ptr, g_ptr = k_sh, g_sh
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mk, mv = offs_k < K, offs_v < V
-    tile = offs_k[:, None] * V + offs_v[None, :]
-    tmask = mk[:, None] & mv[None, :]
-    srow = _state_row(seg, S, NP).to(tl.int64)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
@@ -201,10 +229,7 @@ def _fwd_o(
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
-    seg = tl.load(chunk_seg + gid)
-    start = tl.load(chunk_start + gid).to(tl.int64)
-    end = tl.load(cu_seg + seg + 1).to(tl.int64)
-    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C)
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
     vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
@@ -213,9 +238,8 @@ def _fwd_o(
     for i_k in range(NK):
         offs_k = i_k * BK + tl.arange(0, BK)
         mk = offs_k < K
-        qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
-        kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
-        gc = tl.cumsum(_load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None], axis=0)
+        qq, kk, gg = _qkg(q, k, g, t, valid, a, b, m, i_h, H, K, offs_k, mk)
+        gc = tl.cumsum(gg, axis=0)
         qg = qq * tl.exp2(gc)
         hh = tl.load(h + (gid * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)
@@ -238,20 +262,12 @@ def _bwd_dh(
     NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_k, i_v = i_kv // NV, i_kv % NV
-    bos = tl.load(cu_seg + seg).to(tl.int64)
-    eos = tl.load(cu_seg + seg + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + seg).to(tl.int64)
+    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
+    offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     if seg >= S:
         q_ptr, g_ptr = q_sp, g_sp
     else:
         q_ptr, g_ptr = q_sh, g_sh
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mk, mv = offs_k < K, offs_v < V
-    tile = offs_k[:, None] * V + offs_v[None, :]
-    tmask = mk[:, None] & mv[None, :]
-    srow = _state_row(seg, S, NP).to(tl.int64)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
@@ -282,10 +298,7 @@ def _bwd_dv(
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
-    seg = tl.load(chunk_seg + gid)
-    start = tl.load(chunk_start + gid).to(tl.int64)
-    end = tl.load(cu_seg + seg + 1).to(tl.int64)
-    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C)
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
     dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
@@ -294,9 +307,7 @@ def _bwd_dv(
     for i_k in range(NK):
         offs_k = i_k * BK + tl.arange(0, BK)
         mk = offs_k < K
-        qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
-        kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
-        gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+        qq, kk, gg = _qkg(q, k, g, t, valid, a, b, m, i_h, H, K, offs_k, mk)
         gc = tl.cumsum(gg, axis=0)
         gl = tl.sum(gg, axis=0)
         b_A += _intra_A(qq, kk, gc, qq * tl.exp2(gc), C, DT, IEEE, SAFE)
@@ -324,10 +335,7 @@ def _bwd_dqkg(
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
-    seg = tl.load(chunk_seg + gid)
-    start = tl.load(chunk_start + gid).to(tl.int64)
-    end = tl.load(cu_seg + seg + 1).to(tl.int64)
-    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C)
     rows = tl.arange(0, C)
     offs_k = i_k * BK + tl.arange(0, BK)
     mk = offs_k < K

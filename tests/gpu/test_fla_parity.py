@@ -82,22 +82,24 @@ def run(model, input_ids, labels, cu_seqlens, backward=True):
     return out.logits.detach().float(), out.loss.detach().float(), out.aux_loss.detach().float(), grads
 
 
-def reference_config(case):
+def model_pair(case):
+    """A random reference model of ``case`` and ours loaded from its checkpoint, on the GPU."""
+    torch.manual_seed(0)
     kwargs = dict(hidden_size=256, num_hidden_layers=4, num_heads=2, head_dim=128, vocab_size=1024,
                   num_sparse_partition=4, num_writer=1, num_reader=1, fuse_cross_entropy=False)
-    return fla_sse.SSEConfig(**{**kwargs, **CASES[case]})
+    theirs = fla_sse.SSEForCausalLM(fla_sse.SSEConfig(**{**kwargs, **CASES[case]})).cuda()
+    with tempfile.TemporaryDirectory() as tmp:
+        # what fla's save_pretrained writes; the pull request's list-valued _tied_weights_keys trips transformers 5
+        theirs.config.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, f"{tmp}/model.safetensors")
+        ours = load_fla_checkpoint(tmp).cuda()
+    return theirs, ours
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_fla_reference(case, dtype):
-    torch.manual_seed(0)
-    theirs = fla_sse.SSEForCausalLM(reference_config(case)).cuda()
-    with tempfile.TemporaryDirectory() as tmp:
-        # what fla's save_pretrained writes; fla main's list-valued _tied_weights_keys trips transformers 5
-        theirs.config.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, f"{tmp}/model.safetensors")
-        ours = load_fla_checkpoint(tmp).cuda()
+    theirs, ours = model_pair(case)
     theirs, ours = theirs.to(dtype).train(), ours.to(dtype).train()
 
     total = sum(LENGTHS)
@@ -139,12 +141,7 @@ DECODE_RESULTS = []
 def test_decode_after_prefill_matches_fla(case):
     """Evaluation mode, float32: a 37-token prefill, then 8 decode steps fed the same tokens, each model with
     its own cache (recurrent states, convolution and KV caches); logits of every step compared."""
-    torch.manual_seed(0)
-    theirs = fla_sse.SSEForCausalLM(reference_config(case)).cuda()
-    with tempfile.TemporaryDirectory() as tmp:
-        theirs.config.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, f"{tmp}/model.safetensors")
-        ours = load_fla_checkpoint(tmp).cuda()
+    theirs, ours = model_pair(case)
     theirs, ours = theirs.eval(), ours.eval()
     tokens = torch.randint(0, 1024, (2, 45), device="cuda")
     errors = []
