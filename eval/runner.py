@@ -17,29 +17,14 @@ from rewards.verify import MathVerifier
 
 from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problems
 from .generation import INSTRUCTION, GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
+from .jsonl import read_jsonl, repair_tail
 from .metrics import cluster_answers, summarize
 from .report import write_reports
 
 
 def read_generations(path: Path) -> list[dict]:
-    """Records of a generations file; a torn last line (the run was killed mid-write) is cut off."""
-    if not path.exists():
-        return []
-    records, good_bytes = [], 0
-    with path.open("rb") as handle:
-        for line in handle:
-            try:
-                record = json.loads(line)
-                if not line.endswith(b"\n"):
-                    raise ValueError("incomplete line")
-            except ValueError:
-                break
-            records.append(record)
-            good_bytes += len(line)
-    if good_bytes != path.stat().st_size:
-        with path.open("r+b") as handle:
-            handle.truncate(good_bytes)
-    return records
+    """Records of a generations file (see :mod:`eval.jsonl`)."""
+    return read_jsonl(path)
 
 
 class GenerationLog:
@@ -48,6 +33,7 @@ class GenerationLog:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        repair_tail(path)
         self.records = read_generations(path)
         self.done = {(r["problem_id"], r["sample"]) for r in self.records}
         self._handle = path.open("a", encoding="utf-8")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from eval.jsonl import read_jsonl, repair_tail
+
 
 class Timer:
     """Accumulates named wall-clock spans between two log lines (rollout, reward, ...)."""
@@ -34,6 +36,7 @@ class MetricsLogger(TrainerCallback):
     def __init__(self, path: Path, timer: Timer | None = None, extra=None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_tail(self.path)  # a resumed run must not append to a line torn by the killed one
         self.timer = timer or Timer()
         self.extra = extra
         self._last = time.perf_counter()
@@ -68,16 +71,8 @@ class MetricsLogger(TrainerCallback):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a torn last line of a killed run
-    return rows
+    """Every record of a metrics log; torn lines are skipped with a warning (see :mod:`eval.jsonl`)."""
+    return read_jsonl(path)
 
 
 def plot_curves(metrics_path: Path, png_path: Path, keys: list[str], title: str) -> Path | None:

@@ -105,3 +105,21 @@ def test_grpo_resumes_after_sigkill(distilled, tmp_path):
     assert logged[-1] == steps and set(range(1, steps + 1)) <= set(logged)
     assert logged.count(1) == 1 and logged.count(2) == 1, f"steps 1-2 were checkpointed, never redone: {logged}"
     assert json.loads((tmp_path / "grpo" / "final" / "stage_done.json").read_text())["global_step"] == steps
+
+
+def test_a_torn_metrics_line_hides_nothing_after_it(tmp_path, caplog):
+    """A killed run leaves a torn line; the resumed run's records after it must still be read, and a resumed
+    writer must not fuse its first record with the torn tail."""
+    from pipeline.metrics import MetricsLogger, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 4.7}\n{"step": 2, "lo')  # killed mid-write
+    MetricsLogger(path)  # the resumed run's logger repairs the tail
+    with path.open("a") as f:
+        f.write('{"step": 3, "loss": 1.9}\n')
+    assert [r["step"] for r in read_metrics(path)] == [1, 3]
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n{"step": 60, "loss": 0.97}\n')  # torn mid-file
+    with caplog.at_level("WARNING"):
+        rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [1, 3, 60]
+    assert "metrics.jsonl:2" in caplog.text
