@@ -49,23 +49,31 @@ class Problem:
     answer: str
 
 
-def _read_records(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """``(place, record)`` of every record of a JSONL / JSON / parquet file; ``place`` names the file and line
+    (JSONL) or record index, for error messages."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
     if suffix == ".json":
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: invalid JSON ({err})") from err
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of records")
-        return data
+        return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{number}: not UTF-8 text (byte {err.start} of the line: {err.reason})") from err
             if not line.strip():
                 continue
             try:
@@ -74,20 +82,25 @@ def _read_records(path: Path) -> list[dict]:
                 raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from err
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: expected a JSON object")
-            records.append(record)
+            records.append((f"{path}:{number}", record))
     return records
 
 
-def _to_problems(records, where: str, problem_field: str, answer_field: str, id_field: str | None) -> list[Problem]:
+def _to_problems(records, problem_field: str, answer_field: str, id_field: str | None) -> list[Problem]:
+    """``records``: ``(place, record)`` pairs. A missing or empty problem or answer is an error naming its place:
+    an empty gold answer would score every completion wrong without a word."""
     problems = []
-    for i, record in enumerate(records):
+    for i, (place, record) in enumerate(records):
         for field in (problem_field, answer_field):
             if field not in record or record[field] is None:
-                raise ValueError(f"{where}: record {i} has no field {field!r} (fields: {sorted(record)})")
+                raise ValueError(f"{place}: no field {field!r} (fields: {sorted(record)})")
+            if not str(record[field]).strip():
+                raise ValueError(f"{place}: field {field!r} is empty")
         pid = str(record.get(id_field, i)) if id_field else str(i)
         problems.append(Problem(pid, str(record[problem_field]), str(record[answer_field])))
     ids = [p.id for p in problems]
     if len(set(ids)) != len(ids):
+        where = records[0][0].rsplit(":", 1)[0] if records else "records"
         raise ValueError(f"{where}: problem ids are not unique")
     return problems
 
@@ -106,10 +119,10 @@ def load_problems(
     if name_or_path in BENCHMARKS:
         bench = BENCHMARKS[name_or_path]
         path = DATA_DIR / bench.file
-        problems = _to_problems(_read_records(path), str(path), bench.problem_field, bench.answer_field, bench.id_field)
+        problems = _to_problems(read_records(path), bench.problem_field, bench.answer_field, bench.id_field)
     elif Path(name_or_path).exists():
         path = Path(name_or_path)
-        problems = _to_problems(_read_records(path), str(path), fields["problem"], fields["answer"], fields["id"])
+        problems = _to_problems(read_records(path), fields["problem"], fields["answer"], fields["id"])
     else:
         try:
             import datasets
@@ -121,7 +134,8 @@ def load_problems(
                 f"could not be loaded from the Hugging Face hub: {err}"
             ) from err
         id_field = fields["id"] if fields["id"] in dataset.column_names else None
-        problems = _to_problems(dataset, name_or_path, fields["problem"], fields["answer"], id_field)
+        problems = _to_problems([(f"{name_or_path}: row {i}", r) for i, r in enumerate(dataset)],
+                                fields["problem"], fields["answer"], id_field)
     return problems[:limit] if limit is not None else problems
 
 

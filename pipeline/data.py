@@ -13,7 +13,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from eval.benchmarks import DATA_DIR, _read_records
+from eval.benchmarks import DATA_DIR, read_records
 from eval.generation import INSTRUCTION
 
 from .recipe import DataSpec
@@ -50,9 +50,9 @@ def _load_records(spec: DataSpec) -> list[dict]:
     if source.startswith("builtin:"):
         return builtin_records(source, spec)
     if source in PACKAGED:
-        return _read_records(PACKAGED[source])
+        return [record for _, record in read_records(PACKAGED[source])]
     if Path(source).exists():
-        return _read_records(Path(source))
+        return [record for _, record in read_records(Path(source))]
     try:
         import datasets
 

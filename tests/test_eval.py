@@ -111,3 +111,16 @@ def test_missing_answers_vote_only_when_asked():
     pooled = cluster_answers(answers, missing_votes=True)
     assert pooled[0] == pooled[1] == pooled[2]
     assert not majority_correct(pooled, [False, False, False, True, False], k=5)  # three missing outvote "5"
+
+
+def test_bad_benchmark_files_name_the_line(tmp_path):
+    from eval.benchmarks import load_problems
+
+    empty = tmp_path / "empty_gold.jsonl"
+    empty.write_text('{"problem": "1+1?", "answer": "2"}\n\n{"problem": "2+2?", "answer": "  "}\n')
+    with pytest.raises(ValueError, match=r"empty_gold.jsonl:3: field 'answer' is empty"):
+        load_problems(str(empty))
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9", "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8"):
+        load_problems(str(latin))
