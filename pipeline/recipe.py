@@ -24,6 +24,35 @@ class RecipeError(ValueError):
     pass
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def bounded(default=None, *, ge=None, gt=None, le=None, choices=None):
+    """A recipe field with the range or the values it accepts, checked when the recipe loads (``None`` is
+    always accepted where the field's type allows it)."""
+    rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, choices=choices).items() if v is not None}
+    return field(default=default, metadata={"rules": rules})
+
+
+def _check_rules(value, rules: dict, key: str, where: str) -> None:
+    if value is None:
+        return
+    if "choices" in rules and value not in rules["choices"]:
+        close = difflib.get_close_matches(str(value), [str(c) for c in rules["choices"]], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise RecipeError(f"{where}: {key}: {value!r} is not one of {list(rules['choices'])}{hint}")
+    for name, ok, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                           ("le", lambda v, b: v <= b, "<=")):
+        if name in rules and not ok(value, rules[name]):
+            raise RecipeError(f"{where}: {key}: must be {text} {rules[name]}, got {value!r}")
+
+
+def _schedulers() -> tuple[str, ...]:
+    from transformers import SchedulerType
+
+    return tuple(s.value for s in SchedulerType)
+
+
 @dataclass
 class ModelSpec:
     """Where the starting model comes from: a checkpoint ``path`` (local or hub), a ``preset`` of
@@ -34,7 +63,7 @@ class ModelSpec:
     convert_from: str | None = None
     config_overrides: dict = field(default_factory=dict)
     tokenizer: str | None = None  # a path or hub name; "char" builds the offline character tokenizer
-    dtype: str = "float32"
+    dtype: str = bounded("float32", choices=DTYPES)
 
 
 @dataclass
@@ -45,110 +74,112 @@ class DataSpec:
     source: str = "builtin:arithmetic"
     split: str = "train"
     fields: dict = field(default_factory=dict)
-    max_samples: int | None = None
-    seed: int = 0
+    max_samples: int | None = bounded(None, ge=1)
+    seed: int = bounded(0, ge=0)
 
 
 @dataclass
 class DistillConfig:
     enabled: bool = True
     data: DataSpec = field(default_factory=DataSpec)
-    epochs: float = 5.0
-    max_steps: int = -1
-    learning_rate: float = 1e-5
-    lr_scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_length: int = 32768
+    epochs: float = bounded(5.0, gt=0)
+    max_steps: int = bounded(-1, ge=-1)  # -1: train for ``epochs``; 0 is refused (an untrained model)
+    learning_rate: float = bounded(1e-5, gt=0)
+    lr_scheduler: str = "cosine"  # one of transformers' SchedulerType values (checked in validate)
+    warmup_ratio: float = bounded(0.03, ge=0, le=1)
+    weight_decay: float = bounded(0.0, ge=0)
+    batch_size: int = bounded(8, ge=1)
+    gradient_accumulation_steps: int = bounded(1, ge=1)
+    max_length: int = bounded(32768, ge=1)
     packing: bool = True
     gradient_checkpointing: bool = False
-    logging_steps: int = 10
-    save_steps: int = 500
-    save_total_limit: int | None = 3
+    logging_steps: int = bounded(10, ge=1)
+    save_steps: int = bounded(500, ge=1)
+    save_total_limit: int | None = bounded(3, ge=1)
 
 
 @dataclass
 class EngineConfig:
-    max_slots: int | None = None
-    memory_budget_gb: float | None = None
-    prefill_chunk_size: int = 2048
+    max_slots: int | None = bounded(None, ge=1)
+    memory_budget_gb: float | None = bounded(None, gt=0)
+    prefill_chunk_size: int = bounded(2048, ge=1)
     use_cuda_graphs: bool | None = None
-    dtype: str | None = None  # the engine's weights (float32, bfloat16, float16); default: the model's
+    dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
 
 
 @dataclass
 class RewardConfig:
-    accuracy: float = 1.0
-    format: float = 0.0
-    format_min_reasoning_chars: int = 20  # non-space characters the format reward wants before the box
-    overlong: float = 0.0
-    overlong_cache: int = 4096
+    accuracy: float = bounded(1.0, ge=0)
+    format: float = bounded(0.0, ge=0)
+    format_min_reasoning_chars: int = bounded(20, ge=0)  # non-space characters the format reward wants before the box
+    overlong: float = bounded(0.0, ge=0)
+    overlong_cache: int = bounded(4096, ge=0)
     strict_boxed: bool = False
-    timeout: float = 5.0
-    workers: int | None = None
+    timeout: float = bounded(5.0, gt=0)  # seconds per answer; at 0 every answer would score 0
+    workers: int | None = bounded(None, ge=1)
 
 
 @dataclass
 class GRPOStageConfig:
     enabled: bool = True
     data: DataSpec = field(default_factory=lambda: DataSpec(source="math_train"))
-    steps: int = 230
-    prompts_per_step: int = 32
-    num_generations: int = 8
-    max_prompt_length: int = 1024
-    max_completion_length: int = 32768
-    temperature: float = 1.0
-    top_p: float = 1.0
-    learning_rate: float = 1e-6
-    loss_type: str = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = 0.28
-    beta: float = 0.0
+    steps: int = bounded(230, ge=1)
+    prompts_per_step: int = bounded(32, ge=1)
+    num_generations: int = bounded(8, ge=2)  # GRPO compares the generations of a prompt
+    max_prompt_length: int = bounded(1024, ge=1)
+    max_completion_length: int = bounded(32768, ge=1)
+    temperature: float = bounded(1.0, gt=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    learning_rate: float = bounded(1e-6, gt=0)
+    loss_type: str = bounded("dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    epsilon: float = bounded(0.2, gt=0)
+    epsilon_high: float | None = bounded(0.28, gt=0)
+    beta: float = bounded(0.0, ge=0)
     mask_truncated_completions: bool = True
     dynamic_filtering: bool = True
-    importance_sampling: str = "sequence_mask"  # TRL's vllm_importance_sampling_mode; "none" turns it off
-    importance_sampling_clip: float = 3.0
-    gradient_accumulation_steps: int = 1
+    # TRL's vllm_importance_sampling_mode; "none" turns it off
+    importance_sampling: str = bounded("sequence_mask", choices=("none", "token_truncate", "token_mask",
+                                                                 "sequence_truncate", "sequence_mask"))
+    importance_sampling_clip: float = bounded(3.0, gt=0)
+    gradient_accumulation_steps: int = bounded(1, ge=1)
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)
-    num_engines: int = 1
+    num_engines: int = bounded(1, ge=1)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    logging_steps: int = 1
-    save_steps: int = 10
-    save_total_limit: int | None = 3
+    logging_steps: int = bounded(1, ge=1)
+    save_steps: int = bounded(10, ge=1)
+    save_total_limit: int | None = bounded(3, ge=1)
 
 
 @dataclass
 class EvalStageConfig:
     enabled: bool = True
     benchmarks: list = field(default_factory=lambda: ["aime24", "aime25", "math500", "amc23", "olympiadbench"])
-    repeats: int | None = 32
-    temperature: float = 1.0
-    top_p: float = 0.7
-    max_new_tokens: int = 32768
-    max_prompt_length: int = 2048
-    limit: int | None = None
-    num_workers: int = 1
-    backend: str = "engine"  # "engine" (the rollout engine) or "hf" (model.generate)
+    repeats: int | None = bounded(32, ge=1)  # samples per problem; None: each benchmark's default
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(0.7, gt=0, le=1)
+    max_new_tokens: int = bounded(32768, ge=1)
+    max_prompt_length: int = bounded(2048, ge=1)
+    limit: int | None = bounded(None, ge=1)  # the first ``limit`` problems of each benchmark
+    num_workers: int = bounded(1, ge=1)
+    backend: str = bounded("engine", choices=("engine", "hf"))  # the rollout engine or model.generate
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass
 class RayConfig:
     address: str | None = None
-    num_cpus: int | None = None
-    num_gpus: int | None = None
+    num_cpus: int | None = bounded(None, ge=1)
+    num_gpus: int | None = bounded(None, ge=0)
 
 
 @dataclass
 class Recipe:
     name: str = "recipe"
     output_dir: str = "runs/recipe"
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    seed: int = bounded(0, ge=0)
+    device: str = bounded("auto", choices=("auto", "cpu", "cuda"))
     prompt_instruction: str = INSTRUCTION  # appended to every problem, in training and evaluation
     bf16: bool | None = None  # bf16 autocast in training (TRL's ``bf16``); default: on CUDA unless model.dtype is float16
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -164,27 +195,33 @@ class Recipe:
         m = self.model
         if sum(x is not None for x in (m.path, m.preset, m.convert_from)) != 1:
             fail("model", "give exactly one of path, preset, convert_from")
-        for key, dtype in (("model.dtype", m.dtype), ("grpo.engine.dtype", self.grpo.engine.dtype or m.dtype),
-                           ("eval.engine.dtype", self.eval.engine.dtype or m.dtype)):
-            if dtype not in ("float32", "bfloat16", "float16"):
-                fail(key, f"expected float32, bfloat16 or float16, got {dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            fail("device", f"expected auto, cpu or cuda, got {self.device!r}")
+        if m.preset is not None:
+            from sse_model.configuration_sse import PRESETS
+
+            if m.preset not in PRESETS:
+                close = difflib.get_close_matches(m.preset, list(PRESETS), n=1)
+                fail("model.preset", f"unknown preset {m.preset!r} (known: {sorted(PRESETS)})"
+                     + (f"; did you mean {close[0]}?" if close else ""))
+        if self.distill.max_steps == 0:
+            fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
+        if self.distill.lr_scheduler not in _schedulers():
+            close = difflib.get_close_matches(self.distill.lr_scheduler, _schedulers(), n=1)
+            fail("distill.lr_scheduler", f"unknown scheduler {self.distill.lr_scheduler!r} (known: {list(_schedulers())})"
+                 + (f"; did you mean {close[0]}?" if close else ""))
         g = self.grpo
-        if g.num_generations < 2:
-            fail("grpo.num_generations", "GRPO needs at least 2 generations per prompt")
-        if g.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            fail("grpo.loss_type", f"expected grpo, bnpo, dr_grpo or dapo, got {g.loss_type!r}")
-        if g.importance_sampling not in ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-            fail("grpo.importance_sampling", f"unknown mode {g.importance_sampling!r}")
-        if not 0 < g.top_p <= 1:
-            fail("grpo.top_p", f"must be in (0, 1], got {g.top_p}")
-        if g.steps < 1 or g.prompts_per_step < 1:
-            fail("grpo.steps", "steps and prompts_per_step must be >= 1")
-        if self.eval.backend not in ("engine", "hf"):
-            fail("eval.backend", f"expected engine or hf, got {self.eval.backend!r}")
-        if not 0 < self.eval.top_p <= 1:
-            fail("eval.top_p", f"must be in (0, 1], got {self.eval.top_p}")
+        if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
+            fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
+        if self.eval.enabled:
+            from eval.benchmarks import BENCHMARKS
+
+            if not self.eval.benchmarks:
+                fail("eval.benchmarks", "no benchmark to evaluate (disable the stage with eval.enabled=false)")
+            for name in self.eval.benchmarks:
+                # a registered benchmark, a local file, or a hub dataset (owner/name)
+                if not isinstance(name, str) or not (name in BENCHMARKS or Path(name).exists() or "/" in name):
+                    close = difflib.get_close_matches(str(name), list(BENCHMARKS), n=1)
+                    fail("eval.benchmarks", f"{name!r} is not a registered benchmark ({sorted(BENCHMARKS)}), a local "
+                         "file or a hub dataset name" + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def _type_name(tp) -> str:
@@ -245,7 +282,11 @@ def build(cls, data: dict, where: str, prefix: str = ""):
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
             raise RecipeError(f"{where}: {path}: unknown key{hint}")
         kwargs[key] = _convert(value, hints[key], path, where)
-    return cls(**kwargs)
+    instance = cls(**kwargs)
+    for f in dataclasses.fields(cls):  # defaults and given values alike
+        _check_rules(getattr(instance, f.name), f.metadata.get("rules", {}), f"{prefix}.{f.name}" if prefix else f.name,
+                     where)
+    return instance
 
 
 def parse_override(text: str) -> tuple[list[str], object]:
