@@ -17,6 +17,7 @@ import ray
 import yaml
 
 from .checkpoints import is_done, save_final
+from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_dtype, load_model, resolve_device
 from .recipe import Recipe, recipe_to_dict
@@ -109,9 +110,15 @@ def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
 
 def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | None = None,
                checkpoint: str | None = None) -> Path:
-    """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report."""
+    """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report.
+    One run at a time per output folder (:class:`~pipeline.lock.RunLock`)."""
     out = Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out):
+        return _run_stages(recipe, out, stages, address, checkpoint)
+
+
+def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str | None,
+                checkpoint: str | None) -> Path:
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     init_ray(recipe, address)
     where = placement(recipe)

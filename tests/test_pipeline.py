@@ -150,3 +150,20 @@ def test_values_that_cannot_work_are_refused_when_the_recipe_loads(override, key
 
     with pytest.raises(RecipeError, match="demo.yaml.*" + re.escape(key)):
         load_recipe("demo", [override])
+
+
+def test_one_run_per_output_folder(tmp_path):
+    """A second run fails at once naming the first; a lock left by a killed run is taken over."""
+    from pipeline.lock import LOCK_NAME, RunLock, RunLockedError
+
+    with RunLock(tmp_path):
+        with pytest.raises(RunLockedError, match=rf"in use by another run \(pid {os.getpid()} on "):
+            with RunLock(tmp_path):
+                pass
+    assert not (tmp_path / LOCK_NAME).exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    with RunLock(tmp_path) as lock:  # the killed run's lock is stale
+        assert lock.held
