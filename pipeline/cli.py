@@ -7,7 +7,9 @@
     sse-pipeline run paper-2b --address ray://head:10001   on an existing Ray cluster
 
 Re-running a command continues where it stopped: finished stages are skipped, an unfinished one resumes
-from its last checkpoint, an interrupted evaluation from its last generation.
+from its last checkpoint, an interrupted evaluation from its last generation. Each stage keeps the recipe it
+ran with; a re-run that changes a stage's settings is refused with the list of changes unless the stage is
+named with --redo (its old outputs, and those of the stages after it, are moved aside, never deleted).
 """
 
 from __future__ import annotations
@@ -31,20 +33,33 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
         sub.add_argument("--checkpoint", default=None, help="start the stage from this model directory")
     demo = commands.add_parser("demo", help="the tiny CPU demo: all three stages in a few minutes")
-    demo.add_argument("overrides", nargs="*")
-    demo.add_argument("--address", default=None)
+    demo.add_argument("overrides", nargs="*", help="key=value overrides of recipes/demo.yaml")
+    demo.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    for sub in commands.choices.values():
+        sub.add_argument("--redo", action="append", default=[], choices=("distill", "grpo", "eval"),
+                         help="run this stage again even if it finished or its settings changed (repeatable)")
+        sub.add_argument("--verbose", action="store_true", help="full tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
+    from .lock import RunLockedError
     from .run import STAGES, run_recipe
 
+    stages = STAGES if args.command in ("run", "demo") else (args.command,)
     try:
         recipe = load_recipe("demo" if args.command == "demo" else args.recipe, args.overrides)
-    except RecipeError as err:
+        report = run_recipe(recipe, stages, address=args.address, checkpoint=getattr(args, "checkpoint", None),
+                            redo=tuple(args.redo))
+    except (RecipeError, RunLockedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    stages = STAGES if args.command in ("run", "demo") else (args.command,)
-    report = run_recipe(recipe, stages, address=args.address, checkpoint=getattr(args, "checkpoint", None))
+    except Exception as err:  # a stage failed: its cause in one line (Ray wraps it in a long traceback)
+        if args.verbose:
+            raise
+        cause = getattr(err, "cause", None) or err
+        print(f"error: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+              " (--verbose for the traceback)", file=sys.stderr)
+        return 1
     print(f"\nReport: {report}")
     return 0
 

@@ -16,14 +16,65 @@ from pathlib import Path
 import ray
 import yaml
 
-from .checkpoints import is_done, save_final
+from .checkpoints import is_done, latest_complete_checkpoint, save_final
 from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_dtype, load_model, resolve_device
-from .recipe import Recipe, recipe_to_dict
+from .recipe import Recipe, RecipeError, recipe_to_dict
 
 logger = logging.getLogger(__name__)
 STAGES = ("distill", "grpo", "eval")
+# the recipe sections whose values change what a stage computes (ray, device, output_dir, name do not)
+STAGE_SETTINGS = {
+    "distill": ("model", "distill", "seed", "prompt_instruction", "bf16"),
+    "grpo": ("model", "grpo", "seed", "prompt_instruction", "bf16"),
+    "eval": ("eval", "seed", "prompt_instruction"),
+}
+
+
+class StageSettingsChanged(RecipeError):
+    pass
+
+
+def _flat(data, prefix=""):
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def changed_settings(stage: str, before: dict, now: dict) -> list[str]:
+    """``key: old -> new`` for every setting of ``stage`` that differs between two resolved recipes."""
+    old = _flat({k: before.get(k) for k in STAGE_SETTINGS[stage]})
+    new = _flat({k: now.get(k) for k in STAGE_SETTINGS[stage]})
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bool:
+    """Says what a re-run does with ``stage`` (starting, resuming, done) and keeps the recipe it runs with in
+    ``stage_dir/recipe.yaml``; if settings of a stage that already ran changed, refuses with the list, or with
+    ``redo`` moves the old outputs aside (never deletes them) and starts afresh. True if it did."""
+    saved = stage_dir / "recipe.yaml"
+    now = recipe_to_dict(recipe)
+    fresh = False
+    if saved.exists():
+        changes = changed_settings(stage, yaml.safe_load(saved.read_text()) or {}, now)
+        if changes and not redo:
+            raise StageSettingsChanged(
+                f"{stage}: settings changed since this stage ran in {stage_dir}: " + "; ".join(changes)
+                + f". Use another output_dir, or --redo {stage} to run it again (its outputs are moved aside)")
+        if changes or redo:
+            aside = stage_dir.with_name(f"{stage_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            stage_dir.rename(aside)
+            fresh = True
+            logger.warning("%s: running again; the previous outputs are in %s", stage, aside)
+    if is_done(stage_dir / "final") or (stage == "eval" and (stage_dir / "summary.json").exists()):
+        logger.info("%s: done, skipping", stage)
+    else:
+        resume = latest_complete_checkpoint(stage_dir / "checkpoints")
+        logger.info("%s: %s", stage, f"resuming from {resume.name}" if resume else "starting")
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(yaml.safe_dump(now, sort_keys=False))
+    return fresh
 
 
 def init_ray(recipe: Recipe, address: str | None = None) -> None:
@@ -109,16 +160,26 @@ def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
 
 
 def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | None = None,
-               checkpoint: str | None = None) -> Path:
+               checkpoint: str | None = None, redo: tuple[str, ...] = ()) -> Path:
     """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report.
-    One run at a time per output folder (:class:`~pipeline.lock.RunLock`)."""
+    One run at a time per output folder (:class:`~pipeline.lock.RunLock`); each stage keeps the recipe it
+    ran with, and a re-run with changed settings of a stage refuses unless the stage is in ``redo``."""
     out = Path(recipe.output_dir)
     with RunLock(out):
-        return _run_stages(recipe, out, stages, address, checkpoint)
+        redone = False  # a stage run again makes every later stage stale: they run again too
+        for stage in stages:  # every refusal before anything starts
+            if not getattr(recipe, stage).enabled:
+                continue
+            redone = redone or stage in redo
+            saved = out / stage / "recipe.yaml"
+            if saved.exists() and not redone:
+                if changed_settings(stage, yaml.safe_load(saved.read_text()) or {}, recipe_to_dict(recipe)):
+                    prepare_stage(recipe, stage, out / stage, redo=False)  # raises, naming the changes
+        return _run_stages(recipe, out, stages, address, checkpoint, redo)
 
 
 def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str | None,
-                checkpoint: str | None) -> Path:
+                checkpoint: str | None, redo: tuple[str, ...]) -> Path:
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     init_ray(recipe, address)
     where = placement(recipe)
@@ -126,12 +187,14 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
     current = Path(checkpoint) if checkpoint else None
     started = time.time()
     timings = {}
+    redone = False
     for stage in stages:
         config = getattr(recipe, stage)
         if not config.enabled:
             continue
         stage_start = time.time()
         stage_dir = out / stage
+        redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
         if stage == "distill":
             task = ray.remote(**where["whole"])(_distill_task)
             current = Path(ray.get(task.remote(recipe, str(stage_dir), str(current) if current else None)))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.metrics import read_metrics
 from pipeline.recipe import RecipeError, load_recipe
@@ -167,3 +168,33 @@ def test_one_run_per_output_folder(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
     with RunLock(tmp_path) as lock:  # the killed run's lock is stale
         assert lock.held
+
+
+def test_a_rerun_with_changed_settings_is_refused_or_redone(tmp_path, caplog):
+    """Each stage keeps the recipe it ran with; a re-run that changes its settings is refused before anything
+    starts, naming the keys; --redo moves the old outputs (and those of later stages) aside and reruns."""
+    from pipeline.recipe import recipe_to_dict
+    from pipeline.run import StageSettingsChanged, prepare_stage, run_recipe
+
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}"])
+    with caplog.at_level("INFO"):
+        assert not prepare_stage(recipe, "distill", tmp_path / "distill", redo=False)
+    assert "distill: starting" in caplog.text
+    assert (tmp_path / "distill" / "recipe.yaml").exists()
+    (tmp_path / "distill" / "checkpoints" / "checkpoint-7").mkdir(parents=True)
+    (tmp_path / "distill" / "checkpoints" / "checkpoint-7" / "trainer_state.json").write_text("{}")
+    with caplog.at_level("INFO"):
+        prepare_stage(recipe, "distill", tmp_path / "distill", redo=False)
+    assert "distill: resuming from checkpoint-7" in caplog.text
+
+    changed = load_recipe("demo", [f"output_dir={tmp_path}", "distill.learning_rate=0.5", "seed=3"])
+    with pytest.raises(StageSettingsChanged, match=r"distill: settings changed.*distill.learning_rate: .* -> 0.5"
+                                                   r".*seed: 0 -> 3.*--redo distill"):
+        run_recipe(changed, ("distill", "grpo"))
+    assert recipe_to_dict(recipe)["distill"]["learning_rate"] != 0.5  # nothing was rewritten
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "grpo" / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe)))
+    assert prepare_stage(changed, "distill", tmp_path / "distill", redo=True)
+    moved = [p.name for p in tmp_path.iterdir() if p.name.startswith("distill.replaced-")]
+    assert moved and (tmp_path / moved[0] / "checkpoints" / "checkpoint-7").exists()  # kept, not deleted
+    assert prepare_stage(changed, "grpo", tmp_path / "grpo", redo=True)  # a later stage follows a redone one
