@@ -33,6 +33,8 @@ def markdown_table(summary: dict) -> str:
                      f"{100 * m['truncation_rate']:.1f}% |")
     s = summary.get("sampling", {})
     lines.append("")
+    if summary.get("model"):
+        lines.append(f"Model: {summary['model']}.")
     lines.append(f"Sampling: temperature {s.get('temperature')}, top-p {s.get('top_p')}, "
                  f"max new tokens {s.get('max_new_tokens')}. Accuracies in %.")
     return "\n".join(lines) + "\n"

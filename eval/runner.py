@@ -6,6 +6,7 @@ interrupted run resumes where it stopped: finished (problem, sample) pairs are n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -22,6 +23,61 @@ from .metrics import cluster_answers, summarize
 from .report import write_reports
 
 
+class GenerationSettingsChanged(ValueError):
+    pass
+
+
+def model_identity(model) -> str:
+    """What produced a set of generations: a checkpoint directory with a fingerprint of its weight files (so a
+    retrained or replaced checkpoint at the same path counts as another model), a hub name, or the name an
+    in-memory model was loaded from."""
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if not path.exists():
+            return str(model)
+        path = path.resolve()
+        files = [path] if path.is_file() else sorted(f for pattern in ("*.safetensors", "*.bin", "*.gguf", "config.json")
+                                                     for f in path.glob(pattern))
+        stamp = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+        return f"{path} [{hashlib.sha1(stamp.encode()).hexdigest()[:12]}]"
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or "in-memory model"
+    return f"{name} (in memory)"
+
+
+def problem_key(problem: Problem, instruction: str) -> str:
+    """A record answers this problem only if the text it was asked is the same."""
+    return hashlib.sha1(f"{instruction}\n{problem.problem}".encode()).hexdigest()[:16]
+
+
+def _settings_path(log_path: Path) -> Path:
+    name = log_path.name.split(".shard")[0].removesuffix(".jsonl")
+    return log_path.with_name(f"{name}.settings.json")
+
+
+def check_settings(log_path: Path, settings: dict, fresh: bool = False) -> None:
+    """Generations in ``log_path`` (and its shards) must come from ``settings``; a mismatch is refused naming
+    what differs, or with ``fresh`` the old files are moved aside (never deleted) and generation starts over."""
+    path = _settings_path(log_path)
+    if path.exists():
+        before = json.loads(path.read_text())
+        diffs = [f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(before) | set(settings))
+                 if before.get(k) != settings.get(k)]
+        if diffs and not fresh:
+            raise GenerationSettingsChanged(
+                f"{log_path.parent}: the {settings.get('benchmark')} generations there were made with other settings: "
+                + "; ".join(diffs) + ". Use another output folder, or regenerate (fresh=True; sse-pipeline: --redo eval)")
+        if diffs:
+            aside = log_path.parent / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir(parents=True, exist_ok=True)
+            stem = path.name.removesuffix(".settings.json")
+            for old in list(log_path.parent.glob(f"{stem}.jsonl")) + list(log_path.parent.glob(f"{stem}.shard*.jsonl")) + [path]:
+                old.rename(aside / old.name)
+    if not path.exists():
+        from .report import atomic_write
+
+        atomic_write(path, json.dumps(settings, indent=2))
+
+
 def read_generations(path: Path) -> list[dict]:
     """Records of a generations file (see :mod:`eval.jsonl`)."""
     return read_jsonl(path)
@@ -35,7 +91,6 @@ class GenerationLog:
         self.path = path
         repair_tail(path)
         self.records = read_generations(path)
-        self.done = {(r["problem_id"], r["sample"]) for r in self.records}
         self._handle = path.open("a", encoding="utf-8")
         self._last_sync = time.monotonic()
 
@@ -46,12 +101,17 @@ class GenerationLog:
             os.fsync(self._handle.fileno())
             self._last_sync = time.monotonic()
         self.records.append(record)
-        self.done.add((record["problem_id"], record["sample"]))
 
     def close(self) -> None:
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
+
+
+def _current(records: list[dict], problems: list[Problem], instruction: str) -> list[dict]:
+    """The records that answer a problem of ``problems`` as it is asked now (same id, same text)."""
+    keys = {p.id: problem_key(p, instruction) for p in problems}
+    return [r for r in records if r.get("problem_key") is not None and r.get("problem_key") == keys.get(r["problem_id"])]
 
 
 def request_seed(seed: int, problem_index: int, sample: int) -> int:
@@ -62,10 +122,12 @@ def request_seed(seed: int, problem_index: int, sample: int) -> int:
 def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend: GenerationBackend, tokenizer,
                        sampling: SamplingConfig, log: GenerationLog, progress: bool = True,
                        instruction: str = INSTRUCTION, shard: tuple[int, int] = (0, 1)) -> None:
-    """Generates every (problem, sample) of this shard that the log does not hold yet."""
+    """Generates every (problem, sample) of this shard that the log does not hold yet for the same problem
+    text (a record of a problem whose text changed does not count)."""
     index, count = shard
+    done = {(r["problem_id"], r["sample"]) for r in _current(log.records, problems, instruction)}
     todo = [(i, p, s) for i, p in enumerate(problems) for s in range(repeats)
-            if (i * repeats + s) % count == index and (p.id, s) not in log.done]
+            if (i * repeats + s) % count == index and (p.id, s) not in done]
     if not todo:
         return
     prompts = [build_prompt(tokenizer, p.problem, instruction) for _, p, _ in todo]
@@ -75,7 +137,8 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
     for index, completion in backend.generate(prompts, sampling, seeds):
         _, problem, sample = todo[index]
         log.append({"benchmark": name, "problem_id": problem.id, "sample": sample, "text": completion.text,
-                    "num_tokens": completion.num_tokens, "finish_reason": completion.finish_reason})
+                    "num_tokens": completion.num_tokens, "finish_reason": completion.finish_reason,
+                    "problem_key": problem_key(problem, instruction)})
         tokens += completion.num_tokens
         bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
@@ -83,8 +146,11 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
 
 
 def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, verifier: MathVerifier,
-                    seed: int = 0, missing_votes: bool = False) -> dict:
-    """Metrics of one benchmark's generations; ``missing_votes``: see :func:`~eval.metrics.cluster_answers`."""
+                    seed: int = 0, missing_votes: bool = False, instruction: str | None = None) -> dict:
+    """Metrics of one benchmark's generations; ``missing_votes``: see :func:`~eval.metrics.cluster_answers`.
+    With ``instruction``, only records of the same problem text count."""
+    if instruction is not None:
+        records = _current(records, problems, instruction)
     by_key = {(r["problem_id"], r["sample"]): r for r in records}
     missing = [(p.id, s) for p in problems for s in range(repeats) if (p.id, s) not in by_key]
     if missing:
@@ -156,14 +222,22 @@ def generate(
     instruction: str = INSTRUCTION,
     shard: tuple[int, int] = (0, 1),
     progress: bool = True,
+    model_id: str | None = None,
+    fresh: bool = False,
 ) -> None:
-    """Generation only, for one shard of the (problem, sample) pairs; resumable."""
+    """Generation only, for one shard of the (problem, sample) pairs; resumable. Generations already in
+    ``output_dir`` are reused only if the same model (``model_id``, default :func:`model_identity`) made them
+    with the same sampling settings and instruction; see :func:`check_settings`."""
     output_dir = Path(output_dir)
+    model_id = model_id or model_identity(model)
     model, tokenizer = _load_model(model, tokenizer)
     backend = backend or HFGenerateBackend(model.eval(), tokenizer)
     for name in benchmarks:
         problems = load_problems(name, field_map=field_map, limit=limit)
-        log = GenerationLog(_log_path(output_dir, name, shard))
+        path = _log_path(output_dir, name, shard)
+        check_settings(path, {"benchmark": name, "model": model_id, "sampling": vars(sampling),
+                              "instruction": instruction}, fresh=fresh and shard[0] == 0)
+        log = GenerationLog(path)
         try:
             generate_benchmark(name, problems, _repeats(name, n), backend, tokenizer, sampling, log, progress,
                                instruction, shard)
@@ -179,19 +253,24 @@ def score(
     limit: int | None = None,
     verifier: MathVerifier | None = None,
     field_map: dict[str, str] | None = None,
+    instruction: str = INSTRUCTION,
 ) -> dict:
-    """Scores every generation file (all shards) and writes summary.json, results.md and results.png."""
+    """Scores every generation file (all shards) and writes summary.json, results.md and results.png; the
+    summary names the model that made the generations."""
     output_dir = Path(output_dir)
     own_verifier = verifier is None
     verifier = verifier or MathVerifier()
     summary: dict = {"sampling": vars(sampling), "benchmarks": {}}
+    models = {json.loads(p.read_text()).get("model") for p in (output_dir / "generations").glob("*.settings.json")}
+    summary["model"] = ", ".join(sorted(m for m in models if m)) or None
     try:
         for name in benchmarks:
             stem = Path(name).stem
             records = [r for path in sorted((output_dir / "generations").glob(f"{stem}*.jsonl"))
                        for r in read_generations(path)]
             problems = load_problems(name, field_map=field_map, limit=limit)
-            summary["benchmarks"][name] = score_benchmark(problems, records, _repeats(name, n), verifier, sampling.seed)
+            summary["benchmarks"][name] = score_benchmark(problems, records, _repeats(name, n), verifier, sampling.seed,
+                                                          instruction=instruction)
     finally:
         if own_verifier:
             verifier.close()
@@ -220,4 +299,4 @@ def evaluate(
     and returns the summary."""
     generate(model, tokenizer, benchmarks, n, sampling, output_dir, backend, limit, field_map, instruction,
              progress=progress)
-    return score(output_dir, benchmarks, n, sampling, limit, verifier, field_map)
+    return score(output_dir, benchmarks, n, sampling, limit, verifier, field_map, instruction)

@@ -124,3 +124,51 @@ def test_bad_benchmark_files_name_the_line(tmp_path):
     latin.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9", "answer": "3"}\n')
     with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8"):
         load_problems(str(latin))
+
+
+def test_generations_are_reused_only_for_what_made_them(tmp_path):
+    """Another checkpoint or other sampling settings in the same folder are refused, naming what differs (the old
+    runner relabelled the old generations); fresh=True regenerates, keeping the old files; a problem whose
+    text changed is generated again; the report names the model."""
+    from eval.runner import GenerationSettingsChanged
+
+    tokenizer = build_char_tokenizer()
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+    checkpoints = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        path = tmp_path / f"model{seed}"
+        SSEForCausalLM(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        checkpoints.append(path)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=1.0, top_p=0.7)
+    out = tmp_path / "eval"
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    kw = dict(benchmarks=["amc23"], n=2, limit=2, output_dir=out, verifier=verifier, progress=False)
+    summary = evaluate(str(checkpoints[0]), sampling=sampling, **kw)
+    assert str(checkpoints[0].resolve()) in summary["model"] and "Model: " in (out / "results.md").read_text()
+    with pytest.raises(GenerationSettingsChanged, match=r"amc23 generations .* other settings: model: .*model0.* -> .*model1"):
+        evaluate(str(checkpoints[1]), sampling=sampling, **kw)
+    hotter = SamplingConfig(max_new_tokens=4, temperature=0.5, top_p=0.7)
+    with pytest.raises(GenerationSettingsChanged, match=r"sampling: .*'temperature': 1.0.* -> .*'temperature': 0.5"):
+        evaluate(str(checkpoints[0]), sampling=hotter, **kw)
+    from eval.runner import generate
+
+    generate(str(checkpoints[1]), benchmarks=["amc23"], n=2, sampling=sampling, output_dir=out, limit=2,
+             progress=False, fresh=True)
+    assert list((out / "generations").glob("replaced-*/amc23.jsonl")), "the old generations are kept aside"
+    settings = json.loads((out / "generations" / "amc23.settings.json").read_text())
+    assert "model1" in settings["model"]
+    verifier.close()
+
+
+def test_records_of_a_changed_problem_do_not_count():
+    from eval.benchmarks import Problem
+    from eval.runner import _current, problem_key
+
+    old, new = Problem("7", "What is 2+2?", "4"), Problem("7", "What is 2+3?", "5")
+    records = [{"problem_id": "7", "sample": 0, "problem_key": problem_key(old, "Box it.")},
+               {"problem_id": "8", "sample": 0, "problem_key": "gone"}]
+    assert _current(records, [old], "Box it.") == records[:1]
+    assert _current(records, [new], "Box it.") == [] and _current(records, [old], "Other instruction.") == []

@@ -8,7 +8,7 @@ from pathlib import Path
 import ray
 
 from eval.generation import EngineBackend, HFGenerateBackend, SamplingConfig
-from eval.runner import generate, score
+from eval.runner import generate, model_identity, score
 
 from ..models import engine_dtype, load_model, resolve_device
 from ..recipe import Recipe
@@ -40,7 +40,7 @@ def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[i
     else:
         backend = HFGenerateBackend(model, tokenizer)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
-             instruction=recipe.prompt_instruction, shard=shard)
+             instruction=recipe.prompt_instruction, shard=shard, model_id=model_identity(checkpoint))
 
 
 def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worker: float = 0) -> dict:
@@ -51,6 +51,7 @@ def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worke
     else:
         task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
         ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
-    summary = score(out_dir, recipe.eval.benchmarks, recipe.eval.repeats, sampling_of(recipe), recipe.eval.limit)
+    summary = score(out_dir, recipe.eval.benchmarks, recipe.eval.repeats, sampling_of(recipe), recipe.eval.limit,
+                    instruction=recipe.prompt_instruction)
     logger.info("eval: wrote %s", out_dir / "results.md")
     return summary
