@@ -10,9 +10,11 @@ milliseconds, not an import.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import re
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -122,6 +124,29 @@ def judge(candidates: tuple[str, ...], tail: str | None, gold: str) -> tuple[boo
     return False, answer
 
 
+def _reaper_main(conn) -> None:
+    """Kills the pool's workers when the process that owns the pool is gone (killed with SIGKILL, say): the pipe
+    from the owner reaches EOF. A worker stuck in C code holding the GIL cannot watch for that itself, and
+    multiprocessing's fork server keeps running while its children do."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pids: set[int] = set()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            return
+        if message is None:  # the pool closed normally
+            return
+        pids.add(message)
+
+
 def _worker_main(conn) -> None:
     """Worker loop: ``(job, candidates, tail, gold)`` in, ``(job, correct, answer, error)`` out; ``None`` stops it."""
     import logging
@@ -176,12 +201,38 @@ class VerifyStats:
         return {f"{prefix}{k}": getattr(self, k) for k in keys}
 
 
+@contextlib.contextmanager
+def _without_main_module():
+    """Workers run :func:`_worker_main` of this module and need nothing of the caller's ``__main__``; hiding it
+    while they start keeps multiprocessing from re-running a calling script that has no
+    ``if __name__ == "__main__":`` guard in every worker (which killed them, and scored every answer 0)."""
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if main is not None and hasattr(main, name)}
+    try:
+        if "__file__" in saved:
+            del main.__file__
+        if "__spec__" in saved:
+            main.__spec__ = None  # multiprocessing reads it unconditionally
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+def _start(ctx, target):
+    """A daemon process running ``target(pipe end)``; returns (process, our end of the pipe)."""
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child,), daemon=True)
+    with _without_main_module():
+        process.start()
+    child.close()
+    return process, conn
+
+
 class _Worker:
-    def __init__(self, ctx):
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.process.start()
-        child.close()
+    def __init__(self, ctx, reaper):
+        self.process, self.conn = _start(ctx, _worker_main)
+        reaper.send(self.process.pid)
 
     def kill(self) -> None:
         try:
@@ -212,7 +263,8 @@ class VerifierPool:
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload([__name__, "math_verify"])
-        self._workers = [_Worker(self._ctx) for _ in range(self.num_workers)]
+        self._reaper_process, self._reaper = _start(self._ctx, _reaper_main)
+        self._workers = [_Worker(self._ctx, self._reaper) for _ in range(self.num_workers)]
         self.restarts = 0
         atexit.register(self.close)
 
@@ -264,7 +316,7 @@ class VerifierPool:
 
     def _replace(self, w: int) -> None:
         self._workers[w].kill()
-        self._workers[w] = _Worker(self._ctx)
+        self._workers[w] = _Worker(self._ctx, self._reaper)
         self.restarts += 1
 
     def alive(self) -> int:
@@ -274,6 +326,14 @@ class VerifierPool:
         for worker in self._workers:
             worker.stop()
         self._workers = []
+        if self._reaper is not None:
+            try:
+                self._reaper.send(None)
+            except (OSError, ValueError):
+                pass
+            self._reaper_process.join(timeout=2)
+            self._reaper.close()
+            self._reaper = None
 
     def __enter__(self):
         return self

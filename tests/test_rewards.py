@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import time
 import os
+import subprocess
 import random
 import sys
 
@@ -15,6 +16,7 @@ from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty,
 from rewards.extract import extract_answer, last_boxed  # noqa: E402
 
 TIMEOUT = 2.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +180,42 @@ def test_gold_answers_are_length_capped(verifier):
     scores, stats, _ = verifier.score(["\\boxed{1}"], ["1" * 1_000_000])
     assert scores == [0.0] and stats.gold_too_long == 1
     assert time.perf_counter() - start < 1.0, "a megabyte of gold must be refused, not verified"
+
+
+def test_scoring_works_from_a_script_without_a_main_guard(tmp_path):
+    """multiprocessing re-runs an unguarded calling script in every worker; the workers crashed and every
+    answer silently scored 0. Workers must not depend on the caller's __main__."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from rewards import MathVerifier\n"
+                      "v = MathVerifier(num_workers=1, timeout=10)\n"
+                      "scores, stats, _ = v.score(['So \\\\boxed{\\\\frac{1}{2}}'], ['0.5'])\n"
+                      "print('SCORE', scores[0], stats.crashes)\n"
+                      "v.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "SCORE 1.0 0" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_workers_die_with_a_killed_caller(tmp_path):
+    """A worker stuck in a computation no signal reaches must not outlive its caller (kill -9)."""
+    script = tmp_path / "caller.py"
+    script.write_text("from rewards import VerifierPool\n"
+                      "if __name__ == '__main__':\n"
+                      "    pool = VerifierPool(num_workers=1, timeout=300)\n"
+                      "    print('WORKER', pool._workers[0].process.pid, flush=True)\n"
+                      "    pool.map([('10^{10^{10}}!', '5')])\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker = int(proc.stdout.readline().split()[1])
+    time.sleep(2.0)  # the worker is computing
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(worker, 9)
+    pytest.fail("the verifier worker outlived its killed caller by 10 s")
