@@ -1,31 +1,85 @@
-"""Checkpoints that survive being killed: complete-only resume points and atomic final models."""
+"""Checkpoints that survive being killed: verified resume points and atomic final models."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 DONE = "stage_done.json"
+COMPLETE = "checkpoint_complete.json"
+log = logging.getLogger(__name__)
+
+
+class CheckpointMarker(TrainerCallback):
+    """Writes ``checkpoint_complete.json`` (every file and its size) into a checkpoint once the trainer has
+    finished saving it: a resume trusts only checkpoints whose files are all there at those sizes."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            sizes = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                     if p.is_file() and p.name != COMPLETE}
+            tmp = folder / f".{COMPLETE}.tmp"
+            tmp.write_text(json.dumps(sizes, indent=1))
+            os.replace(tmp, folder / COMPLETE)
+
+
+def _broken_file(folder: Path) -> str | None:
+    """The first file of a checkpoint that is missing or cut short, or None if it looks whole."""
+    marker = folder / COMPLETE
+    if marker.exists():
+        for name, size in json.loads(marker.read_text()).items():
+            path = folder / name
+            if not path.exists() or path.stat().st_size != size:
+                return f"{path} ({'missing' if not path.exists() else f'{path.stat().st_size} of {size} bytes'})"
+        return None
+    if not (folder / "trainer_state.json").exists():  # written last by transformers' Trainer
+        return f"{folder / 'trainer_state.json'} (missing)"
+    for path in sorted(folder.glob("*.safetensors")):  # header length, JSON header, then the data it describes
+        try:
+            with path.open("rb") as handle:
+                header = struct.unpack("<Q", handle.read(8))[0]
+                meta = json.loads(handle.read(header))
+            end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+            if path.stat().st_size < 8 + header + end:
+                return f"{path} (cut short)"
+        except (OSError, ValueError, struct.error, KeyError):
+            return f"{path} (unreadable)"
+    for path in sorted(list(folder.glob("*.pt")) + list(folder.glob("*.pth")) + list(folder.glob("*.bin"))):
+        try:  # torch.save writes a zip whose directory sits at the end
+            zipfile.ZipFile(path).close()
+        except (OSError, zipfile.BadZipFile):
+            return f"{path} (cut short)"
+    return None
 
 
 def latest_complete_checkpoint(directory: Path) -> Path | None:
-    """The newest ``checkpoint-N`` that finished writing. transformers' Trainer writes ``trainer_state.json``
-    last, so a directory without it was interrupted and is skipped (and removed)."""
+    """The newest ``checkpoint-N`` whose files are whole. A broken one (the run was killed while saving, or a
+    file was truncated later) is moved aside as ``incomplete-checkpoint-N`` with a warning naming the bad file,
+    and the one before it is used."""
     directory = Path(directory)
     if not directory.exists():
         return None
-    found = []
-    for child in directory.glob("checkpoint-*"):
-        step = child.name.split("-")[-1]
-        if not step.isdigit():
-            continue
-        if (child / "trainer_state.json").exists():
-            found.append((int(step), child))
-        else:
-            shutil.rmtree(child, ignore_errors=True)
-    return max(found)[1] if found else None
+    found = sorted(((int(c.name.split("-")[-1]), c) for c in directory.glob("checkpoint-*")
+                    if c.is_dir() and c.name.split("-")[-1].isdigit()), reverse=True)
+    for _, folder in found:
+        bad = _broken_file(folder)
+        if bad is None:
+            return folder
+        aside = folder.with_name(f"incomplete-{folder.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        folder.rename(aside)
+        log.warning("checkpoint %s is incomplete: %s; moved to %s, resuming from the one before", folder, bad, aside)
+    return None
 
 
 def save_final(model, tokenizer, directory: Path, info: dict) -> Path:

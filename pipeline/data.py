@@ -8,6 +8,8 @@ Sources (a :class:`~pipeline.recipe.DataSpec`): ``builtin:arithmetic`` or ``buil
 
 from __future__ import annotations
 
+import logging
+
 import random
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from eval.generation import INSTRUCTION
 from .recipe import DataSpec
 from .synthetic import BUILTINS
 
+logger = logging.getLogger(__name__)
 PACKAGED = {p.stem: p for p in DATA_DIR.glob("*.jsonl")}
 
 
@@ -97,6 +100,28 @@ def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
     if not rows:
         raise ValueError(f"data source {spec.source!r} is empty")
     return Dataset.from_list(rows)
+
+
+def drop_overlong(dataset: Dataset, tokenizer, max_length: int) -> tuple[Dataset, int]:
+    """The conversations that fit ``max_length`` tokens (chat template applied), and how many were dropped.
+
+    TRL truncates only when packing (and then cuts a reasoning trace before its answer); an over-long
+    record in a padding-free batch would otherwise reach the model whole (one 300 KB record took a worker past
+    9 GB). Dropped in every mode, and counted."""
+    def length(batch):
+        texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
+        return {"num_tokens": [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]}
+
+    sized = dataset.map(length, batched=True, desc="measuring lengths")
+    keep = [i for i, n in enumerate(sized["num_tokens"]) if n <= max_length]
+    dropped = len(dataset) - len(keep)
+    if dropped:
+        longest = max(sized["num_tokens"])
+        logger.warning("distill: dropped %d of %d records longer than max_length=%d tokens (longest %d)",
+                       dropped, len(dataset), max_length, longest)
+    if not keep:
+        raise ValueError(f"every record is longer than distill.max_length={max_length} tokens")
+    return dataset.select(keep), dropped
 
 
 def prompt_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:

@@ -198,3 +198,42 @@ def test_a_rerun_with_changed_settings_is_refused_or_redone(tmp_path, caplog):
     moved = [p.name for p in tmp_path.iterdir() if p.name.startswith("distill.replaced-")]
     assert moved and (tmp_path / moved[0] / "checkpoints" / "checkpoint-7").exists()  # kept, not deleted
     assert prepare_stage(changed, "grpo", tmp_path / "grpo", redo=True)  # a later stage follows a redone one
+
+
+def test_overlong_distillation_records_are_dropped_and_counted(caplog):
+    from datasets import Dataset
+
+    from pipeline.data import drop_overlong
+    from pipeline.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    rows = [{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": text}]}
+            for text in ("2", "x" * 300_000, "the answer is 2")]
+    with caplog.at_level("WARNING"):
+        kept, dropped = drop_overlong(Dataset.from_list(rows), tokenizer, max_length=512)
+    assert dropped == 1 and len(kept) == 2
+    assert "dropped 1 of 3 records longer than max_length=512" in caplog.text
+    with pytest.raises(ValueError, match="every record is longer than distill.max_length=4"):
+        drop_overlong(Dataset.from_list(rows), tokenizer, max_length=4)
+
+
+def test_resume_skips_a_checkpoint_with_truncated_weights(tmp_path, caplog):
+    """A checkpoint whose weights were cut short (trainer_state.json present) must not block resuming: the one
+    before it is used, and the bad file is named; nothing is deleted."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.checkpoints import latest_complete_checkpoint
+
+    for step in (2, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        save_file({"w": torch.randn(64, 64)}, folder / "model.safetensors")
+        torch.save({"step": step}, folder / "optimizer.pt")
+        (folder / "trainer_state.json").write_text("{}")
+    weights = tmp_path / "checkpoint-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with caplog.at_level("WARNING"):
+        assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    assert "checkpoint-4/model.safetensors (cut short)" in caplog.text
+    assert (tmp_path / "incomplete-checkpoint-4" / "optimizer.pt").exists()

@@ -11,8 +11,8 @@ import logging
 import os
 from pathlib import Path
 
-from ..checkpoints import is_done, latest_complete_checkpoint, save_final
-from ..data import sft_dataset
+from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
+from ..data import drop_overlong, sft_dataset
 from ..metrics import MetricsLogger, plot_curves
 from ..models import load_model, resolve_device, use_bf16
 from ..recipe import Recipe
@@ -66,13 +66,14 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
         return final
     device = resolve_device(recipe.device)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed)
-    dataset = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
+    dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
+                                     recipe.distill.max_length)
     trainer = SFTTrainer(
         model=model.to(device),
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[MetricsLogger(out_dir / "metrics.jsonl")],
+        callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker()],
     )
     resume = latest_complete_checkpoint(out_dir / "checkpoints")
     if resume is not None:
@@ -81,4 +82,4 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "learning_rate", "grad_norm"], "distill")
     return save_final(trainer.model, tokenizer, final,
                       {"stage": "distill", "global_step": trainer.state.global_step,
-                       "train_loss": result.training_loss, "samples": len(dataset)})
+                       "train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})

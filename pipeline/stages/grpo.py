@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
-from ..checkpoints import is_done, latest_complete_checkpoint, save_final
+from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
 from ..models import load_model, resolve_device, use_bf16
@@ -225,7 +225,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         train_dataset=dataset,
         processing_class=tokenizer,
         rollout_func=make_rollout_func(fleet, recipe, timer),
-        callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer)],
+        callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker()],
         fleet=fleet,
         timer=timer,
         dynamic_filtering=recipe.grpo.dynamic_filtering,
