@@ -198,12 +198,13 @@ def _log_path(output_dir: Path, name: str, shard: tuple[int, int]) -> Path:
 
 def _load_model(model, tokenizer):
     if isinstance(model, (str, Path)):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        import sse_model  # noqa: F401 - registers the SSE architectures with the Auto classes
+        from sse_model.checkpoint import load_pretrained
 
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-        model = AutoModelForCausalLM.from_pretrained(model)
+        path = model
+        model = load_pretrained(path)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
     if tokenizer is None:
         raise ValueError("pass the tokenizer with an in-memory model")
     return model, tokenizer

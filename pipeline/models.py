@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -37,22 +36,14 @@ def load_tokenizer(name: str | None, fallback: str | Path | None = None):
 
 def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int = 0):
     """``(model, tokenizer)``: from ``checkpoint`` (a previous stage) if given, else from ``spec``."""
-    import sse_model  # noqa: F401 - Auto class registration
-    from transformers import AutoModelForCausalLM
-
     from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.checkpoint import load_pretrained
     from sse_model.convert import convert_to_sse
-    from sse_model.fla_compat import FLA_MODEL_TYPE, load_fla_checkpoint
 
     dtype = DTYPES[spec.dtype]
     path = checkpoint or spec.path
     if path is not None:
-        config_file = Path(path) / "config.json"
-        if config_file.exists() and json.loads(config_file.read_text()).get("model_type") == FLA_MODEL_TYPE:
-            model = load_fla_checkpoint(path, dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return model, load_tokenizer(spec.tokenizer if checkpoint is None else None, path)
+        return load_pretrained(path, dtype), load_tokenizer(spec.tokenizer if checkpoint is None else None, path)
     if spec.convert_from is not None:
         model = convert_to_sse(spec.convert_from, torch_dtype=dtype, **spec.config_overrides)
         return model, load_tokenizer(spec.tokenizer, spec.convert_from)

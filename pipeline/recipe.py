@@ -303,7 +303,12 @@ def resolve_recipe_path(name: str) -> Path:
     """A file path, or a recipe shipped in ``recipes/`` (``demo``, ``paper-2b``)."""
     path = Path(name)
     if path.exists():
-        return path / "recipe.yaml" if path.is_dir() else path
+        if path.is_dir():
+            if not (path / "recipe.yaml").exists():
+                raise RecipeError(f"{path}: a folder without recipe.yaml (give the recipe file, or a folder holding "
+                                  "recipe.yaml)")
+            return path / "recipe.yaml"
+        return path
     for candidate in (RECIPES_DIR / f"{name}.yaml", RECIPES_DIR / name / "recipe.yaml"):
         if candidate.exists():
             return candidate

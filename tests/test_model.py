@@ -222,3 +222,26 @@ def test_gdn_gate_target_value_lets_the_router_learn_from_the_output():
         attn = model.model.layers[0].attn
         ratios[target] = float(attn.e_proj.weight.grad.norm() / attn.q_proj.weight.grad.norm())
     assert ratios["key"] < 1e-4 < 1e-3 < ratios["value"], ratios
+
+
+def test_bad_checkpoint_paths_give_one_line_errors(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sse_model.checkpoint import CheckpointError, load_pretrained
+
+    with pytest.raises(CheckpointError, match="no such model directory"):
+        load_pretrained(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty: no config.json here"):
+        load_pretrained(tmp_path / "empty")
+    model = tiny("sse-gla", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    with pytest.raises(CheckpointError, match=r"cut: its weights do not load .*model.safetensors"):
+        load_pretrained(tmp_path / "cut")
+    LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path / "llama")
+    assert load_pretrained(tmp_path / "llama").config.model_type == "llama"
+    with pytest.raises(CheckpointError, match=r"llama: a 'llama' model; an SSE model is needed here"):
+        load_pretrained(tmp_path / "llama", require_sse=True)

@@ -237,3 +237,8 @@ def test_resume_skips_a_checkpoint_with_truncated_weights(tmp_path, caplog):
         assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
     assert "checkpoint-4/model.safetensors (cut short)" in caplog.text
     assert (tmp_path / "incomplete-checkpoint-4" / "optimizer.pt").exists()
+
+
+def test_a_recipe_folder_without_recipe_yaml_is_a_clear_error(tmp_path):
+    with pytest.raises(RecipeError, match="a folder without recipe.yaml"):
+        load_recipe(str(tmp_path))

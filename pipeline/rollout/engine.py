@@ -126,12 +126,13 @@ class Engine:
         seed: int = 0,
     ):
         if isinstance(model, (str, Path)):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoTokenizer
 
-            import sse_model  # noqa: F401 - registers the architecture
+            from sse_model.checkpoint import load_pretrained
 
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32)
+            path = model
+            model = load_pretrained(path, dtype or torch.float32, require_sse=True)
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
             if device is None:  # a checkpoint loads on the CPU: serve it from the GPU when there is one
                 device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -433,9 +434,9 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("update_weights while requests are in flight; call it between batches")
         if isinstance(weights, (str, Path)):
-            from transformers import AutoModelForCausalLM
+            from sse_model.checkpoint import load_pretrained
 
-            weights = AutoModelForCausalLM.from_pretrained(weights).state_dict()
+            weights = load_pretrained(weights, require_sse=True).state_dict()
         own = self.model.state_dict()
         unknown = sorted(set(weights) - set(own))
         if unknown:
