@@ -35,6 +35,12 @@ def markdown_table(summary: dict) -> str:
     lines.append("")
     if summary.get("model"):
         lines.append(f"Model: {summary['model']}.")
+    for name, m in benches.items():
+        if m.get("prompts_too_long"):
+            lines.append(f"{name}: {m['prompts_too_long']} problems longer than the prompt limit were not generated "
+                         "(scored wrong).")
+        if m.get("prompts_truncated"):
+            lines.append(f"{name}: {m['prompts_truncated']} problems were shortened to fit the prompt limit.")
     lines.append(f"Sampling: temperature {s.get('temperature')}, top-p {s.get('top_p')}, "
                  f"max new tokens {s.get('max_new_tokens')}. Accuracies in %.")
     return "\n".join(lines) + "\n"

@@ -119,18 +119,52 @@ def request_seed(seed: int, problem_index: int, sample: int) -> int:
     return (seed * 1_000_003 + problem_index * 100_003 + sample) % (2**31 - 1)
 
 
+def fit_prompt(tokenizer, problem: str, instruction: str, max_tokens: int | None) -> tuple[str | None, bool]:
+    """The prompt of ``problem`` within ``max_tokens`` tokens: as is, or with the problem text shortened
+    (template and instruction kept); ``(None, True)`` if even an empty problem does not fit."""
+    prompt = build_prompt(tokenizer, problem, instruction)
+    if max_tokens is None:
+        return prompt, False
+    over = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) - max_tokens
+    if over <= 0:
+        return prompt, False
+    ids = tokenizer(problem, add_special_tokens=False)["input_ids"]
+    while over > 0 and ids:
+        ids = ids[:max(0, len(ids) - over - 8)]
+        prompt = build_prompt(tokenizer, tokenizer.decode(ids), instruction)
+        over = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) - max_tokens
+    return (prompt, True) if over <= 0 else (None, True)
+
+
 def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend: GenerationBackend, tokenizer,
                        sampling: SamplingConfig, log: GenerationLog, progress: bool = True,
-                       instruction: str = INSTRUCTION, shard: tuple[int, int] = (0, 1)) -> None:
+                       instruction: str = INSTRUCTION, shard: tuple[int, int] = (0, 1),
+                       max_prompt_tokens: int | None = None, long_prompts: str = "skip") -> None:
     """Generates every (problem, sample) of this shard that the log does not hold yet for the same problem
-    text (a record of a problem whose text changed does not count)."""
+    text (a record of a problem whose text changed does not count). A prompt over ``max_prompt_tokens`` is
+    not generated (``long_prompts="skip"``: recorded with finish reason ``prompt_too_long``, scored wrong) or
+    has its problem text shortened (``"truncate"``, finish reason of the generation kept, ``prompt_truncated``)."""
+    if long_prompts not in ("skip", "truncate"):
+        raise ValueError(f"long_prompts must be 'skip' or 'truncate', got {long_prompts!r}")
     index, count = shard
     done = {(r["problem_id"], r["sample"]) for r in _current(log.records, problems, instruction)}
-    todo = [(i, p, s) for i, p in enumerate(problems) for s in range(repeats)
-            if (i * repeats + s) % count == index and (p.id, s) not in done]
+    todo, prompts, cut = [], [], set()
+    for i, p in enumerate(problems):
+        samples = [s for s in range(repeats) if (i * repeats + s) % count == index and (p.id, s) not in done]
+        if not samples:
+            continue
+        prompt, shortened = fit_prompt(tokenizer, p.problem, instruction, max_prompt_tokens)
+        if shortened and (long_prompts == "skip" or prompt is None):
+            for s in samples:
+                log.append({"benchmark": name, "problem_id": p.id, "sample": s, "text": "", "num_tokens": 0,
+                            "finish_reason": "prompt_too_long", "problem_key": problem_key(p, instruction)})
+            continue
+        if shortened:
+            cut.add(p.id)
+        todo += [(i, p, s) for s in samples]
+        prompts += [prompt] * len(samples)
     if not todo:
         return
-    prompts = [build_prompt(tokenizer, p.problem, instruction) for _, p, _ in todo]
     seeds = [request_seed(sampling.seed, i, s) for i, _, s in todo]
     bar = tqdm(total=len(todo), desc=f"{name}", unit="gen", disable=not progress, dynamic_ncols=True)
     tokens, start = 0, time.perf_counter()
@@ -138,7 +172,7 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
         _, problem, sample = todo[index]
         log.append({"benchmark": name, "problem_id": problem.id, "sample": sample, "text": completion.text,
                     "num_tokens": completion.num_tokens, "finish_reason": completion.finish_reason,
-                    "problem_key": problem_key(problem, instruction)})
+                    "problem_key": problem_key(problem, instruction), "prompt_truncated": problem.id in cut})
         tokens += completion.num_tokens
         bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
@@ -182,6 +216,8 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
         })
     summary = summarize(rows, seed=seed)
     summary["reward_stats"] = stats.as_dict()
+    summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
+    summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})
     summary["per_problem"] = [{"id": p.id, "accuracy": acc, "answers": answers[i * repeats:(i + 1) * repeats]}
                               for i, (p, acc) in enumerate(zip(problems, summary.pop("per_problem_accuracy")))]
     return summary
@@ -225,6 +261,8 @@ def generate(
     progress: bool = True,
     model_id: str | None = None,
     fresh: bool = False,
+    max_prompt_tokens: int | None = None,
+    long_prompts: str = "skip",
 ) -> None:
     """Generation only, for one shard of the (problem, sample) pairs; resumable. Generations already in
     ``output_dir`` are reused only if the same model (``model_id``, default :func:`model_identity`) made them
@@ -241,7 +279,7 @@ def generate(
         log = GenerationLog(path)
         try:
             generate_benchmark(name, problems, _repeats(name, n), backend, tokenizer, sampling, log, progress,
-                               instruction, shard)
+                               instruction, shard, max_prompt_tokens, long_prompts)
         finally:
             log.close()
 

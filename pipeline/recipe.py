@@ -161,6 +161,7 @@ class EvalStageConfig:
     top_p: float = bounded(0.7, gt=0, le=1)
     max_new_tokens: int = bounded(32768, ge=1)
     max_prompt_length: int = bounded(2048, ge=1)
+    long_prompts: str = bounded("skip", choices=("skip", "truncate"))  # a problem over max_prompt_length
     limit: int | None = bounded(None, ge=1)  # the first ``limit`` problems of each benchmark
     num_workers: int = bounded(1, ge=1)
     backend: str = bounded("engine", choices=("engine", "hf"))  # the rollout engine or model.generate

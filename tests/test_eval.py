@@ -172,3 +172,30 @@ def test_records_of_a_changed_problem_do_not_count():
                {"problem_id": "8", "sample": 0, "problem_key": "gone"}]
     assert _current(records, [old], "Box it.") == records[:1]
     assert _current(records, [new], "Box it.") == [] and _current(records, [old], "Other instruction.") == []
+
+
+@pytest.mark.parametrize("policy", ["skip", "truncate"])
+def test_a_prompt_over_the_limit_does_not_abort_the_evaluation(tmp_path, policy):
+    from eval.runner import evaluate as run_eval
+    from eval.runner import generate as run_generate
+
+    tokenizer = build_char_tokenizer()
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = SSEForCausalLM(config).eval()
+    data = tmp_path / "bench.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1+1?", "answer": "2"}) + "\n"
+                    + json.dumps({"problem": "Add these: " + "1+" * 400 + "1", "answer": "401"}) + "\n")
+    sampling = SamplingConfig(max_new_tokens=4)
+    out = tmp_path / "out"
+    run_generate(model, tokenizer, [str(data)], n=1, sampling=sampling, output_dir=out, progress=False,
+                 max_prompt_tokens=200, long_prompts=policy)
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    summary = run_eval(model, tokenizer, [str(data)], n=1, sampling=sampling, output_dir=out, verifier=verifier,
+                       progress=False)
+    verifier.close()
+    metrics = summary["benchmarks"][str(data)]
+    assert metrics["problems"] == 2
+    assert (metrics["prompts_too_long"], metrics["prompts_truncated"]) == ((1, 0) if policy == "skip" else (0, 1))
+    assert ("not generated" if policy == "skip" else "shortened") in (out / "results.md").read_text()

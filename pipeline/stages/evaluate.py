@@ -40,7 +40,8 @@ def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[i
     else:
         backend = HFGenerateBackend(model, tokenizer)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
-             instruction=recipe.prompt_instruction, shard=shard, model_id=model_identity(checkpoint))
+             instruction=recipe.prompt_instruction, shard=shard, model_id=model_identity(checkpoint),
+             max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts)
 
 
 def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worker: float = 0) -> dict:
