@@ -5,6 +5,8 @@
     sse-pipeline grpo my.yaml grpo.steps=50             one stage, with overrides
     sse-pipeline eval paper-2b --checkpoint runs/x/grpo/final
     sse-pipeline run paper-2b --address ray://head:10001   on an existing Ray cluster
+    sse-pipeline config paper-2b grpo.steps=50          the resolved, validated recipe (runs nothing)
+    sse-pipeline recipes                                the built-in recipes
 
 Re-running a command continues where it stopped: finished stages are skipped, an unfinished one resumes
 from its last checkpoint, an interrupted evaluation from its last generation. Each stage keeps the recipe it
@@ -18,17 +20,43 @@ import argparse
 import logging
 import sys
 
-from .recipe import RecipeError, load_recipe
+import yaml
+
+from .recipe import RECIPES_DIR, RecipeError, load_recipe, recipe_to_dict
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sse-pipeline")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def builtin_recipes() -> list[tuple[str, str]]:
+    """Every recipe shipped in ``recipes/`` with the first line of its header comment."""
+    found = []
+    for path in sorted(list(RECIPES_DIR.glob("*.yaml")) + list(RECIPES_DIR.glob("*/recipe.yaml"))):
+        name = path.stem if path.name != "recipe.yaml" else path.parent.name
+        first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+        found.append((name, first))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sse-pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
+    config = commands.add_parser("config", help="print the resolved, validated recipe and run nothing")
+    config.add_argument("recipe", help="a recipe file, or a built-in recipe name")
+    config.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=50")
+    commands.add_parser("recipes", help="list the built-in recipes")
     for name, text in (("run", "distill, then GRPO, then eval"), ("distill", "supervised distillation"),
                        ("grpo", "GRPO with the rollout engine"), ("eval", "benchmark evaluation")):
         sub = commands.add_parser(name, help=text)
-        sub.add_argument("recipe", help="a recipe file, or a built-in recipe name (demo, paper-2b)")
+        sub.add_argument("recipe", help="a recipe file or folder, or a built-in recipe name (sse-pipeline recipes)")
         sub.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=50")
         sub.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
         sub.add_argument("--checkpoint", default=None, help="start the stage from this model directory")
@@ -40,6 +68,18 @@ def main(argv: list[str] | None = None) -> int:
                          help="run this stage again even if it finished or its settings changed (repeatable)")
         sub.add_argument("--verbose", action="store_true", help="full tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
+    if args.command == "recipes":
+        for name, text in builtin_recipes():
+            print(f"{name:12s} {text}")
+        return 0
+    if args.command == "config":
+        try:
+            recipe = load_recipe(args.recipe, args.overrides)
+        except RecipeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from .lock import RunLockedError

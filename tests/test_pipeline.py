@@ -242,3 +242,17 @@ def test_resume_skips_a_checkpoint_with_truncated_weights(tmp_path, caplog):
 def test_a_recipe_folder_without_recipe_yaml_is_a_clear_error(tmp_path):
     with pytest.raises(RecipeError, match="a folder without recipe.yaml"):
         load_recipe(str(tmp_path))
+
+
+def test_cli_version_config_and_recipes(capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "sse-pipeline" in capsys.readouterr().out
+    assert main(["recipes"]) == 0
+    assert {"demo", "gpu-100m", "paper-2b"} <= {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert main(["config", "demo", "grpo.steps=7"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["grpo"]["steps"] == 7
+    assert main(["config", "demo", "grpo.steps=0"]) == 2
+    assert "grpo.steps: must be >= 1" in capsys.readouterr().err
