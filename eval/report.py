@@ -63,7 +63,10 @@ def plot(summary: dict, path: Path) -> None:
         acc.append(100 * m[f"avg@{n}"])
         err_lo.append(acc[-1] - 100 * lo)
         err_hi.append(100 * hi - acc[-1])
-    left.bar(names, acc, yerr=[err_lo, err_hi], capsize=4, color="tab:blue")
+    bars = left.bar(names, acc, yerr=[err_lo, err_hi], capsize=4, color="tab:blue")
+    left.bar_label(bars, labels=[f"{a:.1f}" for a in acc], padding=2, fontsize=8)
+    top = max([a + e for a, e in zip(acc, err_hi)] + [1.0])
+    left.set_ylim(0, min(100.0, top * 1.2) if top < 100 else 105)  # an all-zero run still has a 0-based axis
     left.set_ylabel("avg@n accuracy (%)")
     left.set_title("Accuracy per benchmark (95% bootstrap CI)")
     left.tick_params(axis="x", rotation=30)
@@ -72,6 +75,7 @@ def plot(summary: dict, path: Path) -> None:
         values = [100 * benches[name]["pass@k"].get(k, benches[name]["pass@k"].get(str(k))) for k in ks]
         right.plot(ks, values, marker="o", label=name)
     right.set_xscale("log", base=2)
+    right.set_ylim(0, 105)
     right.set_xlabel("k")
     right.set_ylabel("pass@k (%)")
     right.set_title("pass@k")

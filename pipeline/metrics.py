@@ -75,21 +75,46 @@ def read_metrics(path: Path) -> list[dict]:
     return read_jsonl(path)
 
 
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` points (the first points average what there is)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_curves(metrics_path: Path, png_path: Path, keys: list[str], title: str) -> Path | None:
-    """One panel per metric key found in the log, against the training step."""
+    """One panel per metric key found in the log, against the training step, with a moving average over a
+    tenth of the steps. A key ending in ``*`` stands for every logged key with that prefix (e.g.
+    ``rewards/*`` gives one panel per reward function)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    keys = [k for k in keys if any(k in r for r in rows)]
+    logged = sorted({k for r in rows for k in r})
+    expanded = []
+    for key in keys:
+        if key.endswith("*"):
+            expanded += [k for k in logged if k.startswith(key[:-1]) and k.endswith("/mean")]
+        elif key in logged:
+            expanded.append(key)
+    keys = list(dict.fromkeys(expanded))
     if not keys:
         return None
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
+        points = sorted({r["step"]: r[key] for r in rows if key in r and isinstance(r[key], (int, float))}.items())
+        steps, values = [p[0] for p in points], [p[1] for p in points]
+        ax.plot(steps, values, marker=".", alpha=0.4 if len(points) >= 5 else 1.0, label="per step")
+        if len(points) >= 5:
+            window = max(2, len(points) // 10)
+            ax.plot(steps, moving_average(values, window), linewidth=2, label=f"mean of {window}")
+            ax.legend(fontsize=7)
         ax.set_xlabel("step")
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)

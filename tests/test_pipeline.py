@@ -256,3 +256,28 @@ def test_cli_version_config_and_recipes(capsys):
     assert yaml.safe_load(capsys.readouterr().out)["grpo"]["steps"] == 7
     assert main(["config", "demo", "grpo.steps=0"]) == 2
     assert "grpo.steps: must be >= 1" in capsys.readouterr().err
+
+
+def test_reward_curve_has_a_panel_per_reward_and_a_moving_average(tmp_path):
+    from pipeline.metrics import moving_average, plot_curves
+
+    assert moving_average([1, 2, 3, 4], 2) == [1.0, 1.5, 2.5, 3.5]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": s / 20, "rewards/accuracy/mean": s / 40,
+                                        "rewards/format/mean": 0.5, "rewards/accuracy/std": 0.1}) + "\n"
+                            for s in range(1, 21)))
+    import matplotlib.image
+
+    png = plot_curves(path, tmp_path / "curve.png", ["reward", "rewards/*"], "GRPO")
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert width > 3 * 400  # three panels: reward, accuracy, format (std is not a reward curve)
+
+
+def test_results_plot_when_every_score_is_zero(tmp_path):
+    from eval.metrics import summarize
+    from eval.report import write_reports
+
+    rows = [{"correct": [False] * 4, "clusters": [0, 0, 1, 1], "lengths": [5] * 4, "truncated": [False] * 4}] * 3
+    write_reports({"sampling": {}, "benchmarks": {"a": summarize(rows), "b": summarize(rows)}}, tmp_path)
+    assert (tmp_path / "results.png").stat().st_size > 1000
+    assert "| a | 3 | 4 | 0.0 (0.0-0.0)" in (tmp_path / "results.md").read_text()

@@ -239,5 +239,5 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     finally:
         verifier.close()
     plot_curves(out_dir / "metrics.jsonl", out_dir / "reward_curve.png",
-                ["reward", "rewards/accuracy/mean", "completions/mean_length", "time/step_s"], "GRPO")
+                ["reward", "rewards/*", "completions/mean_length", "time/step_s"], "GRPO")
     return save_final(trainer.model, tokenizer, final, {"stage": "grpo", "global_step": trainer.state.global_step})
