@@ -119,6 +119,14 @@ def request_seed(seed: int, problem_index: int, sample: int) -> int:
     return (seed * 1_000_003 + problem_index * 100_003 + sample) % (2**31 - 1)
 
 
+def progress_bar(progress, total: int, desc: str):
+    """``progress``: True (a tqdm bar), False (none), or a bar class such as Ray's ``tqdm_ray.tqdm``, whose bars
+    refresh in place when the generation runs inside Ray workers."""
+    if progress is True or progress is False:
+        return tqdm(total=total, desc=desc, unit="gen", disable=not progress, dynamic_ncols=True)
+    return progress(total=total, desc=desc, unit="gen")
+
+
 def fit_prompt(tokenizer, problem: str, instruction: str, max_tokens: int | None) -> tuple[str | None, bool]:
     """The prompt of ``problem`` within ``max_tokens`` tokens: as is, or with the problem text shortened
     (template and instruction kept); ``(None, True)`` if even an empty problem does not fit."""
@@ -166,7 +174,7 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
     if not todo:
         return
     seeds = [request_seed(sampling.seed, i, s) for i, _, s in todo]
-    bar = tqdm(total=len(todo), desc=f"{name}", unit="gen", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(progress, len(todo), name)
     tokens, start = 0, time.perf_counter()
     for index, completion in backend.generate(prompts, sampling, seeds):
         _, problem, sample = todo[index]
@@ -175,7 +183,11 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
                     "problem_key": problem_key(problem, instruction), "prompt_truncated": problem.id in cut})
         tokens += completion.num_tokens
         bar.update(1)
-        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+        rate = f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}"
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(tok_s=rate)
+        else:
+            bar.set_description(f"{name} ({rate} tok/s)")
     bar.close()
 
 
@@ -258,7 +270,7 @@ def generate(
     field_map: dict[str, str] | None = None,
     instruction: str = INSTRUCTION,
     shard: tuple[int, int] = (0, 1),
-    progress: bool = True,
+    progress=True,
     model_id: str | None = None,
     fresh: bool = False,
     max_prompt_tokens: int | None = None,

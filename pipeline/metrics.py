@@ -6,9 +6,14 @@ import json
 import time
 from pathlib import Path
 
+import logging
+
 from transformers import TrainerCallback
 
 from eval.jsonl import read_jsonl, repair_tail
+
+
+logger = logging.getLogger(__name__)
 
 
 class Timer:
@@ -67,6 +72,11 @@ class MetricsLogger(TrainerCallback):
             record.update(self.extra())
         with self.path.open("a") as handle:
             handle.write(json.dumps(record, default=float) + "\n")
+        if state.max_steps and "time/step_s" in record:  # a progress line with rate and ETA, in any console
+            left = (state.max_steps - state.global_step) * record["time/step_s"]
+            logger.info("%s: step %d/%d, %.2f s/step, ETA %s%s", self.path.parent.name, state.global_step,
+                        state.max_steps, record["time/step_s"], time.strftime("%H:%M:%S", time.gmtime(left)),
+                        f", loss {logs['loss']:.4g}" if "loss" in logs else "")
         self._last, self._last_step = now, state.global_step
 
 

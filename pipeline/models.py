@@ -55,6 +55,16 @@ def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int 
     return SSEForCausalLM(config).to(dtype), tokenizer
 
 
+def in_ray_worker() -> bool:
+    """Inside a Ray task or actor, where terminal progress bars print a new line per refresh: the stages then
+    turn the trainer's bars off and log a progress line with rate and ETA instead."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
 def use_bf16(recipe, device: torch.device) -> bool:
     """TRL's ``bf16`` flag for a stage: the recipe's ``bf16``, by default on for CUDA (weights stay in
     ``model.dtype``; float32 weights with bf16 autocast is the usual mixed precision)."""

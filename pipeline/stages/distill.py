@@ -14,7 +14,7 @@ from pathlib import Path
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import drop_overlong, sft_dataset
 from ..metrics import MetricsLogger, plot_curves
-from ..models import load_model, resolve_device, use_bf16
+from ..models import in_ray_worker, load_model, resolve_device, use_bf16
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def sft_config(recipe: Recipe, out_dir: Path, device):
         seed=recipe.seed,
         data_seed=recipe.seed,
         dataloader_num_workers=0,
-        disable_tqdm=False,
+        disable_tqdm=in_ray_worker(),
     )
 
 

@@ -16,6 +16,15 @@ from ..recipe import Recipe
 logger = logging.getLogger(__name__)
 
 
+def _progress():
+    """Inside a Ray worker, Ray's tqdm (bars that refresh in place on the driver); else a plain bar."""
+    if ray.is_initialized():
+        from ray.experimental.tqdm_ray import tqdm
+
+        return tqdm
+    return True
+
+
 def sampling_of(recipe: Recipe) -> SamplingConfig:
     cfg = recipe.eval
     return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
@@ -41,7 +50,7 @@ def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[i
         backend = HFGenerateBackend(model, tokenizer)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
              instruction=recipe.prompt_instruction, shard=shard, model_id=model_identity(checkpoint),
-             max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts)
+             max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
 
 
 def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worker: float = 0) -> dict:

@@ -27,7 +27,7 @@ from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty,
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
-from ..models import load_model, resolve_device, use_bf16
+from ..models import in_ray_worker, load_model, resolve_device, use_bf16
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 
@@ -160,6 +160,7 @@ def grpo_config(recipe: Recipe, out_dir: Path, device):
     batch = cfg.prompts_per_step * cfg.num_generations
     return GRPOConfig(
         output_dir=str(out_dir / "checkpoints"),
+        disable_tqdm=in_ray_worker(),
         max_steps=cfg.steps,
         per_device_train_batch_size=batch // cfg.gradient_accumulation_steps,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
