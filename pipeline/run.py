@@ -107,17 +107,25 @@ def placement(recipe: Recipe) -> dict:
             "colocated": False, "eval_gpus": 1}
 
 
-def _threads():
+def _task_setup():
+    """Every stage task: torch threads for the CPUs Ray gave it, and none of the warnings we have dealt with
+    (transformers' v6 renames of arguments TRL still passes by the old names; TRL's notice that
+    ``rollout_func``, which the GRPO stage uses on purpose, is experimental)."""
+    import os
+    import warnings
+
     import torch
 
     assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
     torch.set_num_threads(max(1, int(assigned)))
+    warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
     from .stages.distill import run_distill
 
-    _threads()
+    _task_setup()
     return str(run_distill(recipe, Path(out_dir), Path(start_from) if start_from else None))
 
 
@@ -125,7 +133,7 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
     from .rollout.actor import EngineFleet
     from .stages.grpo import run_grpo
 
-    _threads()
+    _task_setup()
     cfg = recipe.grpo
 
     def fleet_factory(path):
@@ -144,7 +152,7 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
 def _eval_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> dict:
     from .stages.evaluate import run_eval
 
-    _threads()
+    _task_setup()
     return run_eval(recipe, Path(out_dir), Path(checkpoint), eval_gpus if recipe.eval.num_workers > 1 else 0)
 
 
