@@ -73,7 +73,8 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:{number}: not UTF-8 text (byte {err.start} of the line: {err.reason})") from err
+                raise ValueError(f"{path}:{number}: not UTF-8 text (byte {err.start} of the line: "
+                                 f"{err.reason})") from err
             if not line.strip():
                 continue
             try:

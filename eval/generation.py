@@ -1,4 +1,6 @@
-"""Generation backends for evaluation: one interface, ``model.generate`` and the rollout engine behind it."""
+"""Generation for evaluation: the interface evaluation takes (:class:`GenerationBackend`), prompts, seeds, and
+``model.generate`` behind the interface. The pipeline hands evaluation its rollout engine through the same
+interface (``pipeline.rollout.backend.EngineBackend``); this package never imports the pipeline."""
 
 from __future__ import annotations
 
@@ -34,13 +36,24 @@ class GenerationBackend(Protocol):
         """Yields ``(index into prompts, completion)`` as completions finish, each prompt exactly once."""
 
 
+def user_message(problem: str, instruction: str = INSTRUCTION) -> dict:
+    """The user turn that asks ``problem``, in training and evaluation alike: the problem, then the instruction."""
+    return {"role": "user", "content": f"{problem}\n{instruction}" if instruction else problem}
+
+
 def build_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION) -> str:
-    """The tokenizer's chat template around ``problem`` + the boxed-answer instruction."""
-    content = f"{problem}\n{instruction}" if instruction else problem
+    """The tokenizer's chat template around :func:`user_message` (the bare text without a template)."""
+    message = user_message(problem, instruction)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-    return content + "\n"
+        return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    return message["content"] + "\n"
+
+
+def request_seed(seed: int, group: int, member: int) -> int:
+    """The sampling seed of one request: member ``member`` of group ``group`` (a problem's samples in
+    evaluation, a step's prompts in GRPO). Consecutive members get consecutive seeds, so that an engine can
+    serve them as one request with n samples."""
+    return (seed * 1_000_003 + group * 100_003 + member) % (2**31 - 1)
 
 
 class HFGenerateBackend:
@@ -70,33 +83,3 @@ class HFGenerateBackend:
                 ids = row[:row.index(eos)] if stop else row
                 yield start + i, Completion(tok.decode(ids, skip_special_tokens=True), len(ids) + int(stop),
                                             "stop" if stop else "length")
-
-
-class EngineBackend:
-    """The rollout engine behind the evaluation interface. Consecutive samples of one prompt with
-    consecutive seeds become one request with ``n`` samples (prefilled once, forked); completions stream
-    out as requests finish."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def generate(self, prompts, sampling, seeds):
-        from pipeline.rollout import SamplingParams
-
-        groups: list[list[int]] = []
-        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-            last = groups[-1] if groups else None
-            if last and prompts[last[0]] == prompt and seeds[last[-1]] + 1 == seed and len(last) < self.engine.max_slots:
-                last.append(i)
-            else:
-                groups.append([i])
-        pending = {}
-        for group in groups:
-            params = SamplingParams(n=len(group), temperature=sampling.temperature, top_p=sampling.top_p,
-                                    top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, seed=seeds[group[0]],
-                                    logprobs=False)
-            pending[self.engine.add_request(prompts[group[0]], params)] = group
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                for index, completion in zip(pending.pop(out.request_id), out.outputs):
-                    yield index, Completion(completion.text, len(completion.token_ids), completion.finish_reason)

@@ -86,13 +86,13 @@ def summarize(problems: list[dict], seed: int = 0) -> dict:
     "lengths": [int]*n, "truncated": [bool]*n}`` with the same n for all problems."""
     n = min(len(p["correct"]) for p in problems)
     correct = [p["correct"][:n] for p in problems]
-    per_problem = [sum(row) / n for row in correct]
+    per_problem = [sum(row) / n for row in correct]  # what the bootstrap resamples
     lengths = [length for p in problems for length in p["lengths"][:n]]
     truncated = [t for p in problems for t in p["truncated"][:n]]
     result = {
         "problems": len(problems),
-        "samples_per_problem": n,
-        f"avg@{n}": sum(per_problem) / len(per_problem),
+        "repeats": n,
+        f"avg@{n}": avg_at_k(correct),
         f"avg@{n}_ci95": bootstrap_ci(per_problem, seed=seed),
         "pass@k": {k: sum(pass_at_k(n, sum(row), k) for row in correct) / len(correct) for k in ks_for(n)},
         "maj@k": {k: sum(majority_correct(p["clusters"], p["correct"], k) for p in problems) / len(problems)

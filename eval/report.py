@@ -24,7 +24,7 @@ def markdown_table(summary: dict) -> str:
     lines = ["| benchmark | problems | n | avg@n (95% CI) | pass@n | maj@n | mean len | max len | truncated |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in benches.items():
-        n = m["samples_per_problem"]
+        n = m["repeats"]
         lo, hi = m[f"avg@{n}_ci95"]
         pass_n = m["pass@k"][n] if n in m["pass@k"] else m["pass@k"][str(n)]
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
@@ -58,7 +58,7 @@ def plot(summary: dict, path: Path) -> None:
     acc, err_lo, err_hi = [], [], []
     for name in names:
         m = benches[name]
-        n = m["samples_per_problem"]
+        n = m["repeats"]
         lo, hi = m[f"avg@{n}_ci95"]
         acc.append(100 * m[f"avg@{n}"])
         err_lo.append(acc[-1] - 100 * lo)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from rewards.verify import MathVerifier
 
 from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problems
-from .generation import INSTRUCTION, GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
+from .generation import INSTRUCTION, GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt, request_seed
 from .jsonl import read_jsonl, repair_tail
 from .metrics import cluster_answers, summarize
 from .report import write_reports
@@ -36,8 +36,8 @@ def model_identity(model) -> str:
         if not path.exists():
             return str(model)
         path = path.resolve()
-        files = [path] if path.is_file() else sorted(f for pattern in ("*.safetensors", "*.bin", "*.gguf", "config.json")
-                                                     for f in path.glob(pattern))
+        patterns = ("*.safetensors", "*.bin", "*.gguf", "config.json")
+        files = [path] if path.is_file() else sorted(f for pattern in patterns for f in path.glob(pattern))
         stamp = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
         return f"{path} [{hashlib.sha1(stamp.encode()).hexdigest()[:12]}]"
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or "in-memory model"
@@ -65,12 +65,14 @@ def check_settings(log_path: Path, settings: dict, fresh: bool = False) -> None:
         if diffs and not fresh:
             raise GenerationSettingsChanged(
                 f"{log_path.parent}: the {settings.get('benchmark')} generations there were made with other settings: "
-                + "; ".join(diffs) + ". Use another output folder, or regenerate (fresh=True; sse-pipeline: --redo eval)")
+                + "; ".join(diffs)
+                + ". Use another output folder, or regenerate (fresh=True; sse-pipeline: --redo eval)")
         if diffs:
             aside = log_path.parent / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             aside.mkdir(parents=True, exist_ok=True)
             stem = path.name.removesuffix(".settings.json")
-            for old in list(log_path.parent.glob(f"{stem}.jsonl")) + list(log_path.parent.glob(f"{stem}.shard*.jsonl")) + [path]:
+            olds = list(log_path.parent.glob(f"{stem}.jsonl")) + list(log_path.parent.glob(f"{stem}.shard*.jsonl"))
+            for old in olds + [path]:
                 old.rename(aside / old.name)
     if not path.exists():
         from .report import atomic_write
@@ -111,12 +113,8 @@ class GenerationLog:
 def _current(records: list[dict], problems: list[Problem], instruction: str) -> list[dict]:
     """The records that answer a problem of ``problems`` as it is asked now (same id, same text)."""
     keys = {p.id: problem_key(p, instruction) for p in problems}
-    return [r for r in records if r.get("problem_key") is not None and r.get("problem_key") == keys.get(r["problem_id"])]
-
-
-def request_seed(seed: int, problem_index: int, sample: int) -> int:
-    """Consecutive samples of a problem get consecutive seeds (so an engine can fork them)."""
-    return (seed * 1_000_003 + problem_index * 100_003 + sample) % (2**31 - 1)
+    return [r for r in records if r.get("problem_key") is not None
+            and r.get("problem_key") == keys.get(r["problem_id"])]
 
 
 def progress_bar(progress, total: int, desc: str):
@@ -235,13 +233,17 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
     return summary
 
 
-def _repeats(name: str, n) -> int:
-    return n.get(name, default_repeats(name)) if isinstance(n, dict) else (n or default_repeats(name))
+def _repeats(name: str, repeats) -> int:
+    """Samples per problem of a benchmark: one number, a per-benchmark dict, or None for its default."""
+    if isinstance(repeats, dict):
+        return repeats.get(name, default_repeats(name))
+    return repeats or default_repeats(name)
 
 
 def _log_path(output_dir: Path, name: str, shard: tuple[int, int]) -> Path:
     stem = Path(name).stem
-    return output_dir / "generations" / (f"{stem}.jsonl" if shard[1] == 1 else f"{stem}.shard{shard[0]}of{shard[1]}.jsonl")
+    name = f"{stem}.jsonl" if shard[1] == 1 else f"{stem}.shard{shard[0]}of{shard[1]}.jsonl"
+    return output_dir / "generations" / name
 
 
 def _load_model(model, tokenizer):
@@ -262,7 +264,7 @@ def generate(
     model,
     tokenizer=None,
     benchmarks=PAPER_BENCHMARKS,
-    n: int | dict[str, int] | None = None,
+    repeats: int | dict[str, int] | None = None,
     sampling: SamplingConfig = SamplingConfig(),
     output_dir: str | Path = "eval_results",
     backend: GenerationBackend | None = None,
@@ -290,7 +292,7 @@ def generate(
                               "instruction": instruction}, fresh=fresh and shard[0] == 0)
         log = GenerationLog(path)
         try:
-            generate_benchmark(name, problems, _repeats(name, n), backend, tokenizer, sampling, log, progress,
+            generate_benchmark(name, problems, _repeats(name, repeats), backend, tokenizer, sampling, log, progress,
                                instruction, shard, max_prompt_tokens, long_prompts)
         finally:
             log.close()
@@ -299,7 +301,7 @@ def generate(
 def score(
     output_dir: str | Path,
     benchmarks=PAPER_BENCHMARKS,
-    n: int | dict[str, int] | None = None,
+    repeats: int | dict[str, int] | None = None,
     sampling: SamplingConfig = SamplingConfig(),
     limit: int | None = None,
     verifier: MathVerifier | None = None,
@@ -320,8 +322,8 @@ def score(
             records = [r for path in sorted((output_dir / "generations").glob(f"{stem}*.jsonl"))
                        for r in read_generations(path)]
             problems = load_problems(name, field_map=field_map, limit=limit)
-            summary["benchmarks"][name] = score_benchmark(problems, records, _repeats(name, n), verifier, sampling.seed,
-                                                          instruction=instruction)
+            summary["benchmarks"][name] = score_benchmark(problems, records, _repeats(name, repeats), verifier,
+                                                          sampling.seed, instruction=instruction)
     finally:
         if own_verifier:
             verifier.close()
@@ -333,7 +335,7 @@ def evaluate(
     model,
     tokenizer=None,
     benchmarks: list[str] | tuple[str, ...] = PAPER_BENCHMARKS,
-    n: int | dict[str, int] | None = None,
+    repeats: int | dict[str, int] | None = None,
     sampling: SamplingConfig = SamplingConfig(),
     output_dir: str | Path = "eval_results",
     backend: GenerationBackend | None = None,
@@ -345,9 +347,9 @@ def evaluate(
 ) -> dict:
     """Evaluates ``model`` (a model object or a local path / hub name) on ``benchmarks``.
 
-    ``n``: samples per problem (one number, a per-benchmark dict, or None for each benchmark's default).
+    ``repeats``: samples per problem (one number, a per-benchmark dict, or None for each benchmark's default).
     Writes ``generations/*.jsonl``, ``summary.json``, ``results.md`` and ``results.png`` to ``output_dir``
     and returns the summary."""
-    generate(model, tokenizer, benchmarks, n, sampling, output_dir, backend, limit, field_map, instruction,
+    generate(model, tokenizer, benchmarks, repeats, sampling, output_dir, backend, limit, field_map, instruction,
              progress=progress)
-    return score(output_dir, benchmarks, n, sampling, limit, verifier, field_map, instruction)
+    return score(output_dir, benchmarks, repeats, sampling, limit, verifier, field_map, instruction)

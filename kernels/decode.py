@@ -132,15 +132,15 @@ def _block_v(V: int) -> int:
 
 
 def _launch(pool, slots, shared: Branch, sparse: Branch | None, v, topk, probs, num_writers, num_readers,
-            opts: SSEOptions, scale: float, num_partitions: int):
+            opts: SSEOptions, scale: float, num_sparse_partitions: int):
     B, H, V = v.shape
     K = shared.q.shape[-1]
     device = pool.device
     if not pool.is_contiguous():
         raise ValueError("sse decode: the state pool must be contiguous")
-    if pool.shape[-4:] != (1 + num_partitions, H, K, V) and not (num_partitions == 0 and pool.shape[-3:] == (H, K, V)):
+    if pool.shape[-4:] != (1 + num_sparse_partitions, H, K, V) and not (num_sparse_partitions == 0 and pool.shape[-3:] == (H, K, V)):
         raise ValueError(f"sse decode: state pool {list(pool.shape)} does not match H={H}, K={K}, V={V}, "
-                         f"N={num_partitions}")
+                         f"N={num_sparse_partitions}")
     _check("slots", slots, (B,), device)
     gdn = opts.transition == "gdn"
     g_shape = (B, H) if gdn else (B, H, K)
@@ -167,7 +167,7 @@ def _launch(pool, slots, shared: Branch, sparse: Branch | None, v, topk, probs, 
         pool, slots.contiguous(), o, *contiguous, *sparse_args, v.contiguous(),
         dummy if topk is None else topk.contiguous(), dummy if probs is None else probs.contiguous(),
         scale, L2NORM_EPS,
-        H=H, K=K, V=V, N=num_partitions, KMAX=kmax, NUM_WRITERS=num_writers, NUM_READERS=num_readers,
+        H=H, K=K, V=V, N=num_sparse_partitions, KMAX=kmax, NUM_WRITERS=num_writers, NUM_READERS=num_readers,
         WRITE_GATE=opts.write_gate, READ_GATE=opts.read_gate, GDN=gdn,
         GATE_VALUE=opts.gate_target == "value", L2NORM=gdn and opts.qk_l2norm,
         BK=triton.next_power_of_2(K), BV=BV, num_warps=4,
@@ -179,7 +179,7 @@ def sse_decode_triton(pool, slots, shared: Branch, sparse: Branch, v, routing: R
                       opts: SSEOptions) -> torch.Tensor:
     """Drop-in for :func:`sse_model.ops.sse.sse_decode_step` (same arguments, same in-place update)."""
     B, H, K = shared.q.shape
-    N = routing.num_partitions
+    N = routing.num_sparse_partitions
     kmax = max(routing.num_writers, routing.num_readers)
     _check("routing.topk", routing.topk[:, :kmax], (B, kmax), pool.device)
     _check("routing.probs", routing.probs, (B, N), pool.device)

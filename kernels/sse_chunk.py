@@ -405,7 +405,7 @@ class ChunkPlan:
     launch_shared: torch.Tensor
     launch_sparse: torch.Tensor | None
     num_seqs: int
-    num_partitions: int  # NP sparse partitions; 0 for plain GLA
+    num_sparse_partitions: int  # NP sparse partitions; 0 for plain GLA
     chunk: int
 
     @property
@@ -418,7 +418,7 @@ class ChunkPlan:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, sparse_cu: torch.Tensor | None = None,
-              num_pairs: int = 0, num_partitions: int = 0, chunk: int = CHUNK) -> "ChunkPlan":
+              num_pairs: int = 0, num_sparse_partitions: int = 0, chunk: int = CHUNK) -> "ChunkPlan":
         """``cu_seqlens``: token offsets of the ``S`` sequences; ``sparse_cu``: offsets of the sparse segments
         in the pair list (``VarlenPlan.cu_seqlens``, ``[S * NP + 1]``), None for plain GLA."""
         device = cu_seqlens.device
@@ -430,7 +430,7 @@ class ChunkPlan:
         incl = n_chunks.cumsum(0)
         excl = incl - n_chunks
         max_sh = -(-num_tokens // chunk) + S
-        max_sp = 0 if sparse_cu is None else -(-num_pairs // chunk) + S * num_partitions
+        max_sp = 0 if sparse_cu is None else -(-num_pairs // chunk) + S * num_sparse_partitions
         total = max_sh + max_sp
         ids = torch.arange(total, device=device)
         seg = torch.searchsorted(incl, ids, right=True)
@@ -445,7 +445,7 @@ class ChunkPlan:
             launch_sp = torch.where(sp_ids < incl[-1], sp_ids, -1)
         i32 = torch.int32
         return cls(cu.to(i32), excl.to(i32), chunk_seg.to(i32), chunk_start,
-                   launch_sh.to(i32), None if launch_sp is None else launch_sp.to(i32), S, num_partitions, chunk)
+                   launch_sh.to(i32), None if launch_sp is None else launch_sp.to(i32), S, num_sparse_partitions, chunk)
 
 
 @dataclass(frozen=True)
@@ -510,13 +510,13 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     dummy = plan.cu_seg
     tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
     seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
-    num_states = plan.num_seqs * (1 + plan.num_partitions)
+    num_states = plan.num_seqs * (1 + plan.num_sparse_partitions)
     h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
     ht = torch.empty(num_states, H, K, V, device=v.device, dtype=torch.float32) if call.output_final_state else None
     _fwd_h[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
         k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
         dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off,
-        L, plan.num_seqs, plan.num_partitions,
+        L, plan.num_seqs, plan.num_sparse_partitions,
         H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE, **seq,
     )
     o = torch.empty(L, H, V, device=v.device, dtype=v.dtype)
@@ -554,7 +554,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
     _fwd_h[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
         k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
-        dummy if h0 is None else h0, dummy, plan.cu_seg, plan.chunk_off, L, plan.num_seqs, plan.num_partitions,
+        dummy if h0 is None else h0, dummy, plan.cu_seg, plan.chunk_off, L, plan.num_seqs, plan.num_sparse_partitions,
         H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=False, DT=DT, IEEE=IEEE, **seq,
     )
     dh = torch.empty_like(h)
@@ -563,7 +563,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     _bwd_dh[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
         q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
         dummy if dht is None else dht.contiguous(), dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
-        call.scale, L, plan.num_seqs, plan.num_partitions,
+        call.scale, L, plan.num_seqs, plan.num_sparse_partitions,
         H=H, K=K, V=V, C=C, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq,
     )
     base = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe)
@@ -665,7 +665,7 @@ def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: R
         return None
     B, T, H, K = shared.q.shape
     V = v.shape[-1]
-    N = routing.num_partitions
+    N = routing.num_sparse_partitions
     L = B * T
     cu = _sequences(B, T, cu_seqlens, v.device)
     S = cu.numel() - 1
@@ -680,7 +680,8 @@ def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: R
                  output_final_state, safe)
     q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
     # the fused launches select the shared or sparse tensor per segment: one dtype per role
-    q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L) for x, ref in zip((sparse.q, sparse.k, sparse.g), (q_sh, k_sh, g_sh)))
+    q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L)
+                        for x, ref in zip((sparse.q, sparse.k, sparse.g), (q_sh, k_sh, g_sh)))
     h0 = None if initial_state is None else initial_state.reshape(S * (1 + N), H, K, V).contiguous()
     o, ht = _ChunkFunction.apply(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, _tokens(v, L), rw, ww, wm, h0)
     return o.view(B, T, H, V), None if ht is None else ht.view(S, 1 + N, H, K, V)

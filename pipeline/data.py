@@ -16,7 +16,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from eval.benchmarks import DATA_DIR, read_records
-from eval.generation import INSTRUCTION
+from eval.generation import INSTRUCTION, user_message
 
 from .recipe import DataSpec
 from .synthetic import BUILTINS
@@ -71,10 +71,6 @@ def _field(record: dict, spec: DataSpec, name: str, index: int):
         raise ValueError(f"data source {spec.source!r}: record {index} has no field {key!r} "
                          f"(fields: {sorted(record)}); map it with data.fields.{name}")
     return record[key]
-
-
-def user_message(problem: str, instruction: str = INSTRUCTION) -> dict:
-    return {"role": "user", "content": f"{problem}\n{instruction}" if instruction else problem}
 
 
 def _subsample(records: list[dict], spec: DataSpec) -> list[dict]:

@@ -73,5 +73,37 @@ def use_bf16(recipe, device: torch.device) -> bool:
     return recipe.bf16 if recipe.bf16 is not None else recipe.model.dtype != "float16"
 
 
-def engine_dtype(engine_config, model_dtype: str) -> torch.dtype:
-    return DTYPES[engine_config.dtype or model_dtype]
+def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict:
+    """The training arguments distillation and GRPO share (TRL's ``SFTConfig`` / ``GRPOConfig`` keys): where
+    checkpoints and TensorBoard logs go, precision, seeds, checkpointing and logging cadence."""
+    import os
+
+    # transformers' TensorBoard callback reads its folder from the environment (``logging_dir`` is deprecated)
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")
+    return dict(
+        output_dir=str(out_dir / "checkpoints"),
+        learning_rate=stage_config.learning_rate,
+        gradient_accumulation_steps=stage_config.gradient_accumulation_steps,
+        gradient_checkpointing=stage_config.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=stage_config.logging_steps,
+        save_steps=stage_config.save_steps,
+        save_total_limit=stage_config.save_total_limit,
+        bf16=use_bf16(recipe, device),
+        use_cpu=device.type == "cpu",
+        report_to=["tensorboard"],
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=in_ray_worker(),
+    )
+
+
+def engine_options(recipe, engine_config, max_model_len: int) -> dict:
+    """The rollout engine's construction options for a stage (GRPO's fleet, evaluation's engine): one place,
+    so that both stages serve a recipe's model the same way."""
+    budget = engine_config.memory_budget_gb
+    return dict(max_slots=engine_config.max_slots, memory_budget=int(budget * 1024**3) if budget else None,
+                max_model_len=max_model_len, prefill_chunk_size=engine_config.prefill_chunk_size,
+                use_cuda_graphs=engine_config.use_cuda_graphs,
+                dtype=DTYPES[engine_config.dtype or recipe.model.dtype], seed=recipe.seed)

@@ -207,8 +207,8 @@ class Recipe:
             fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
         if self.distill.lr_scheduler not in _schedulers():
             close = difflib.get_close_matches(self.distill.lr_scheduler, _schedulers(), n=1)
-            fail("distill.lr_scheduler", f"unknown scheduler {self.distill.lr_scheduler!r} (known: {list(_schedulers())})"
-                 + (f"; did you mean {close[0]}?" if close else ""))
+            fail("distill.lr_scheduler", f"unknown scheduler {self.distill.lr_scheduler!r} "
+                 f"(known: {list(_schedulers())})" + (f"; did you mean {close[0]}?" if close else ""))
         g = self.grpo
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")

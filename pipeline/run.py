@@ -19,7 +19,7 @@ import yaml
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
 from .lock import RunLock
 from .metrics import read_metrics
-from .models import engine_dtype, load_model, resolve_device
+from .models import engine_options, load_model, resolve_device
 from .recipe import Recipe, RecipeError, recipe_to_dict
 
 logger = logging.getLogger(__name__)
@@ -137,14 +137,11 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
     cfg = recipe.grpo
 
     def fleet_factory(path):
-        budget = int(cfg.engine.memory_budget_gb * 1024**3) if cfg.engine.memory_budget_gb else None
         return EngineFleet(str(path), None, num_engines=cfg.num_engines,
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
-                           max_slots=cfg.engine.max_slots, memory_budget=budget,
-                           max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-                           prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
-                           device=resolve_device(recipe.device).type, dtype=engine_dtype(cfg.engine, recipe.model.dtype),
-                           seed=recipe.seed, **engine_resources)
+                           device=resolve_device(recipe.device).type,
+                           **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),
+                           **engine_resources)
 
     return str(run_grpo(recipe, Path(out_dir), Path(start_from), fleet_factory))
 
@@ -258,7 +255,7 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
             summary = json.loads((stage_dir / "summary.json").read_text())["benchmarks"]
             parts = []
             for name, m in summary.items():
-                n = m["samples_per_problem"]
+                n = m["repeats"]
                 parts.append(f"{name} avg@{n} {100 * m[f'avg@{n}']:.1f}%")
             highlight = "; ".join(parts)
         final = stage_dir / "final"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from .extract import clean_text, extract_answer, last_boxed
+from .extract import clean_text, last_boxed
 from .verify import MathVerifier, VerifyStats, default_verifier
 
 
@@ -91,10 +91,3 @@ class OverlongPenalty:
         scores = [self.penalty(len(ids)) for ids in completion_ids]
         self.last_stats = {"penalised": sum(s < 0 for s in scores), "items": len(scores)}
         return scores
-
-
-def extraction_rate(completions, strict: bool = False) -> float:
-    """Fraction of completions with an extractable final answer."""
-    if not completions:
-        return 0.0
-    return sum(extract_answer(completion_text(c), strict) is not None for c in completions) / len(completions)

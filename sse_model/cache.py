@@ -8,7 +8,6 @@ Two implementations of one protocol, which the layers use and nothing else:
 
 Protocol (``cache`` below is either):
     ``cache.query_index(T)``            [B|1, T] cache coordinate of each new token (for causal masking)
-    ``cache.rope_positions(T)``         [B|1, T] RoPE positions of the new tokens when no mask says otherwise
     ``cache.read_linear(i, recurrent)`` the :class:`LinearLayerState` of the current rows (None entries:
                                         zeros); ``recurrent=False`` skips the state (in-place decoding)
     ``cache.write_linear(i, state)``    store its non-None parts back
@@ -22,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from .configuration_sse import ATTENTION_MIXERS
 
 
 @dataclass
@@ -59,7 +60,7 @@ class SSEHybridCache:
     def for_config(cls, config) -> "SSEHybridCache":
         layers = []
         for kind in config.mixer_types:
-            if kind in ("attn", "swa"):
+            if kind in ATTENTION_MIXERS:
                 layers.append(AttentionLayerCache(window=config.sliding_window if kind == "swa" else None))
             else:
                 layers.append(LinearLayerState())
@@ -68,8 +69,6 @@ class SSEHybridCache:
     # -- protocol ----------------------------------------------------------------------------------
     def query_index(self, T: int, device=None) -> torch.Tensor:
         return torch.arange(self.seen_tokens, self.seen_tokens + T, device=device)[None]
-
-    rope_positions = query_index
 
     def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
         return self.layers[layer_idx]
@@ -157,7 +156,7 @@ class SlotCache:
         self.values: dict[int, torch.Tensor] = {}
         self.windows: dict[int, int | None] = {}
         for i, kind in enumerate(config.mixer_types):
-            if kind in ("attn", "swa"):
+            if kind in ATTENTION_MIXERS:
                 window = config.sliding_window if kind == "swa" else None
                 length = min(max_len, window) if window else max_len
                 shape = (max_slots, config.num_key_value_heads, length, config.attn_head_dim)
@@ -178,7 +177,7 @@ class SlotCache:
         total = 0
         item = torch.tensor([], dtype=dtype).element_size()
         for kind in config.mixer_types:
-            if kind in ("attn", "swa"):
+            if kind in ATTENTION_MIXERS:
                 length = min(max_len, config.sliding_window) if kind == "swa" else max_len
                 total += 2 * config.num_key_value_heads * length * config.attn_head_dim * item
             else:
@@ -211,8 +210,6 @@ class SlotCache:
     # -- protocol ----------------------------------------------------------------------------------
     def query_index(self, T: int, device=None) -> torch.Tensor:
         return self.lengths[self.slots][:, None] + torch.arange(T, device=self.lengths.device)[None]
-
-    rope_positions = query_index
 
     def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
         conv = self.conv.get(layer_idx)

@@ -8,7 +8,6 @@ import math
 from transformers import PretrainedConfig
 
 MIXERS = ("sse", "gla", "gdn", "retnet", "attn", "swa")
-LINEAR_MIXERS = ("sse", "gla", "gdn", "retnet")
 ATTENTION_MIXERS = ("attn", "swa")
 ACTIVATIONS = ("identity", "silu", "softmax")
 SSE_GATINGS = ("write_read", "write", "read", "none")

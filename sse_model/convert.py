@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .configuration_sse import SSEConfig, hybrid_mixer_types
+from .configuration_sse import ATTENTION_MIXERS, SSEConfig, hybrid_mixer_types
 from .modeling_sse import SSEForCausalLM
 
 SUPPORTED = ("llama", "qwen2")
@@ -109,7 +109,7 @@ def convert_to_sse(
         ours.mlp_norm.weight.copy_(theirs.post_attention_layernorm.weight)
         ours.mlp.load_state_dict(theirs.mlp.state_dict())
         attn, mixer = theirs.self_attn, ours.attn
-        if config.mixer_types[i] in ("attn", "swa"):
+        if config.mixer_types[i] in ATTENTION_MIXERS:
             mixer.load_state_dict(attn.state_dict())
             continue
         for name in ("q_proj", "k_proj", "v_proj"):

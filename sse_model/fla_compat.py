@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .configuration_sse import SSEConfig, default_intermediate_size
+from .configuration_sse import ATTENTION_MIXERS, SSEConfig, default_intermediate_size
 from .modeling_sse import SSEForCausalLM
 
 FLA_MODEL_TYPE = "sse"
@@ -85,7 +85,7 @@ def fla_config_from_sse(config: SSEConfig) -> dict:
     """The fla ``config.json`` for ``config``; raises if the model uses options fla's layer lacks."""
     problems = []
     kinds = set(config.mixer_types)
-    if kinds - {"sse", "attn", "swa"}:
+    if kinds - {"sse", *ATTENTION_MIXERS}:
         problems.append(f"mixers {sorted(kinds - {'sse', 'attn', 'swa'})}")
     checks = {
         "q_activation": (config.q_activation, "silu"),
@@ -108,7 +108,7 @@ def fla_config_from_sse(config: SSEConfig) -> dict:
         problems.append("num_writers/num_readers must be below num_sparse_partitions in fla")
     if problems:
         raise ValueError("cannot save in fla's SSE format: " + "; ".join(problems))
-    attn_layers = [i for i, kind in enumerate(config.mixer_types) if kind in ("attn", "swa")]
+    attn_layers = [i for i, kind in enumerate(config.mixer_types) if kind in ATTENTION_MIXERS]
     return {
         "model_type": FLA_MODEL_TYPE,
         "architectures": ["SSEForCausalLM"],

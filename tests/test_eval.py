@@ -82,7 +82,7 @@ def test_end_to_end_eval_resumes(tmp_path):
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.7)
     verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
     backend = HFGenerateBackend(model, tokenizer, batch_size=4)
-    kw = dict(benchmarks=["aime24", "amc23"], n=3, limit=2, sampling=sampling, output_dir=tmp_path,
+    kw = dict(benchmarks=["aime24", "amc23"], repeats=3, limit=2, sampling=sampling, output_dir=tmp_path,
               verifier=verifier, progress=False)
     with pytest.raises(KeyboardInterrupt):
         evaluate(model, tokenizer, backend=Interrupting(backend, limit=5), **kw)
@@ -97,7 +97,7 @@ def test_end_to_end_eval_resumes(tmp_path):
         assert sorted((r["problem_id"], r["sample"]) for r in records) == sorted(
             (p.id, s) for p in load_problems(name, limit=2) for s in range(3))
         metrics = summary["benchmarks"][name]
-        assert metrics["samples_per_problem"] == 3 and 0.0 <= metrics["avg@3"] <= 1.0
+        assert metrics["repeats"] == 3 and 0.0 <= metrics["avg@3"] <= 1.0
         assert metrics["max_length"] <= 6
     assert json.loads((tmp_path / "summary.json").read_text())["benchmarks"].keys() == {"aime24", "amc23"}
     assert "| aime24 | 2 | 3 |" in (tmp_path / "results.md").read_text()
@@ -145,7 +145,7 @@ def test_generations_are_reused_only_for_what_made_them(tmp_path):
     sampling = SamplingConfig(max_new_tokens=4, temperature=1.0, top_p=0.7)
     out = tmp_path / "eval"
     verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
-    kw = dict(benchmarks=["amc23"], n=2, limit=2, output_dir=out, verifier=verifier, progress=False)
+    kw = dict(benchmarks=["amc23"], repeats=2, limit=2, output_dir=out, verifier=verifier, progress=False)
     summary = evaluate(str(checkpoints[0]), sampling=sampling, **kw)
     assert str(checkpoints[0].resolve()) in summary["model"] and "Model: " in (out / "results.md").read_text()
     with pytest.raises(GenerationSettingsChanged, match=r"amc23 generations .* other settings: model: .*model0.* -> .*model1"):
@@ -155,7 +155,7 @@ def test_generations_are_reused_only_for_what_made_them(tmp_path):
         evaluate(str(checkpoints[0]), sampling=hotter, **kw)
     from eval.runner import generate
 
-    generate(str(checkpoints[1]), benchmarks=["amc23"], n=2, sampling=sampling, output_dir=out, limit=2,
+    generate(str(checkpoints[1]), benchmarks=["amc23"], repeats=2, sampling=sampling, output_dir=out, limit=2,
              progress=False, fresh=True)
     assert list((out / "generations").glob("replaced-*/amc23.jsonl")), "the old generations are kept aside"
     settings = json.loads((out / "generations" / "amc23.settings.json").read_text())
@@ -189,10 +189,10 @@ def test_a_prompt_over_the_limit_does_not_abort_the_evaluation(tmp_path, policy)
                     + json.dumps({"problem": "Add these: " + "1+" * 400 + "1", "answer": "401"}) + "\n")
     sampling = SamplingConfig(max_new_tokens=4)
     out = tmp_path / "out"
-    run_generate(model, tokenizer, [str(data)], n=1, sampling=sampling, output_dir=out, progress=False,
+    run_generate(model, tokenizer, [str(data)], repeats=1, sampling=sampling, output_dir=out, progress=False,
                  max_prompt_tokens=200, long_prompts=policy)
     verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
-    summary = run_eval(model, tokenizer, [str(data)], n=1, sampling=sampling, output_dir=out, verifier=verifier,
+    summary = run_eval(model, tokenizer, [str(data)], repeats=1, sampling=sampling, output_dir=out, verifier=verifier,
                        progress=False)
     verifier.close()
     metrics = summary["benchmarks"][str(data)]

@@ -95,7 +95,8 @@ def fla_sse_call(inputs, N):
     B, T = v.shape[:2]
     layer = SSEGLA(hidden_size=H * D, head_dim=D, num_heads=H, num_sparse_partition=N, num_writer=1, num_reader=1)
     cu = torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32)
-    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (shared.q, sparse.q, shared.k, sparse.k, v, shared.g, sparse.g, logits)]
+    order = (shared.q, sparse.q, shared.k, sparse.k, v, shared.g, sparse.g, logits)  # the layer method's arguments
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in order]
     return lambda: layer.sse_linear_attention_varlen(*flat, cu_seqlens=cu)[0]
 
 
@@ -165,7 +166,8 @@ def table_chunk(tokens: int, lengths: list[int]) -> None:
                             peak[name] = peak_gib(step)
                 except torch.OutOfMemoryError:
                     row[(name, grad)] = math.nan
-                print(f"  T={T} {name} {'f+b' if grad else 'fwd'}: {row[(name, grad)]:.2f} ms", file=sys.stderr, flush=True)
+                print(f"  T={T} {name} {'f+b' if grad else 'fwd'}: {row[(name, grad)]:.2f} ms", file=sys.stderr,
+                      flush=True)
                 torch.cuda.empty_cache()
             del inputs, cases
         get = lambda n, g: row.get((n, g), math.nan)  # noqa: E731

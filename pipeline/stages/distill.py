@@ -8,13 +8,12 @@ re-running continues from the last complete one.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import drop_overlong, sft_dataset
 from ..metrics import MetricsLogger, plot_curves
-from ..models import in_ray_worker, load_model, resolve_device, use_bf16
+from ..models import load_model, resolve_device, trainer_options
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -23,35 +22,19 @@ logger = logging.getLogger(__name__)
 def sft_config(recipe: Recipe, out_dir: Path, device):
     from trl import SFTConfig
 
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # read by transformers' callback
     cfg = recipe.distill
-    bf16 = use_bf16(recipe, device)
     return SFTConfig(
-        output_dir=str(out_dir / "checkpoints"),
+        **trainer_options(recipe, cfg, out_dir, device),
         num_train_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio,  # a float in [0, 1) is a fraction of the steps
         weight_decay=cfg.weight_decay,
-        max_length=cfg.max_length if cfg.packing else None,  # TRL truncates only when packing
+        max_length=cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (see drop_overlong)
         packing=cfg.packing,
         padding_free=True,
         assistant_only_loss=True,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=cfg.logging_steps,
-        save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit,
-        bf16=bf16,
-        use_cpu=device.type == "cpu",
-        report_to=["tensorboard"],
-        seed=recipe.seed,
-        data_seed=recipe.seed,
-        dataloader_num_workers=0,
-        disable_tqdm=in_ray_worker(),
     )
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import ray
 
-from eval.generation import EngineBackend, HFGenerateBackend, SamplingConfig
+from eval.generation import HFGenerateBackend, SamplingConfig
 from eval.runner import generate, model_identity, score
 
-from ..models import engine_dtype, load_model, resolve_device
+from ..models import engine_options, load_model, resolve_device
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -39,12 +39,10 @@ def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[i
     model = model.to(device).eval()
     if cfg.backend == "engine":
         from ..rollout import Engine
+        from ..rollout.backend import EngineBackend
 
-        budget = int(cfg.engine.memory_budget_gb * 1024**3) if cfg.engine.memory_budget_gb else None
-        engine = Engine(model, tokenizer, max_slots=cfg.engine.max_slots, memory_budget=budget,
-                        max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
-                        prefill_chunk_size=cfg.engine.prefill_chunk_size, use_cuda_graphs=cfg.engine.use_cuda_graphs,
-                        dtype=engine_dtype(cfg.engine, recipe.model.dtype), seed=recipe.seed)
+        options = engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_new_tokens)
+        engine = Engine(model, tokenizer, **options)
         backend = EngineBackend(engine)
     else:
         backend = HFGenerateBackend(model, tokenizer)

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
+from eval.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
-from ..models import in_ray_worker, load_model, resolve_device, use_bf16
+from ..models import load_model, resolve_device, trainer_options
 from ..recipe import Recipe
 from ..rollout import SamplingParams
+from ..rollout.backend import group_consecutive
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +56,13 @@ def make_rollout_func(fleet, recipe: Recipe, timer: Timer):
         tokenizer = trainer.processing_class
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                  if isinstance(p, list) else p for p in prompts]
-        groups: list[tuple[str, int]] = []
-        for text in texts:
-            if groups and groups[-1][0] == text and groups[-1][1] < cfg.num_generations:
-                groups[-1] = (text, groups[-1][1] + 1)
-            else:
-                groups.append((text, 1))
+        groups = group_consecutive(texts, cfg.num_generations)
         step = trainer.state.global_step
-        params = [SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_completion_length,
-                                 seed=(recipe.seed * 1_000_003 + step * 10_007 + i * 101) % (2**31), logprobs=True)
-                  for i, (_, n) in enumerate(groups)]
-        prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-cfg.max_prompt_length:] for t, _ in groups]
+        params = [SamplingParams(n=len(g), temperature=cfg.temperature, top_p=cfg.top_p,
+                                 max_tokens=cfg.max_completion_length, seed=request_seed(recipe.seed, step, 1000 * i),
+                                 logprobs=True) for i, g in enumerate(groups)]
+        prompt_ids = [tokenizer(texts[g[0]], add_special_tokens=False)["input_ids"][-cfg.max_prompt_length:]
+                      for g in groups]
         outputs = fleet.generate(prompt_ids, params)
         result = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         tokens = 0
@@ -154,21 +151,16 @@ def make_trainer_class():
 def grpo_config(recipe: Recipe, out_dir: Path, device):
     from trl import GRPOConfig
 
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # read by transformers' callback
     cfg = recipe.grpo
-    bf16 = use_bf16(recipe, device)
     batch = cfg.prompts_per_step * cfg.num_generations
     return GRPOConfig(
-        output_dir=str(out_dir / "checkpoints"),
-        disable_tqdm=in_ray_worker(),
+        **trainer_options(recipe, cfg, out_dir, device),
         max_steps=cfg.steps,
         per_device_train_batch_size=batch // cfg.gradient_accumulation_steps,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
-        learning_rate=cfg.learning_rate,
         lr_scheduler_type="constant",
         loss_type=cfg.loss_type,
         epsilon=cfg.epsilon,
@@ -178,17 +170,6 @@ def grpo_config(recipe: Recipe, out_dir: Path, device):
         vllm_importance_sampling_mode=cfg.importance_sampling if cfg.importance_sampling != "none" else "sequence_mask",
         vllm_importance_sampling_clip_max=cfg.importance_sampling_clip,
         reward_weights=None,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=cfg.logging_steps,
-        save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit,
-        bf16=bf16,
-        use_cpu=device.type == "cpu",
-        report_to=["tensorboard"],
-        seed=recipe.seed,
-        data_seed=recipe.seed,
-        dataloader_num_workers=0,
         shuffle_dataset=True,
     )
 

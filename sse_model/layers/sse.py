@@ -41,7 +41,7 @@ def balance_loss(routing: Routing, token_mask: torch.Tensor | None) -> torch.Ten
     else:
         mean_prob = probs.mean(dim=(0, 1))
         frac = chosen.mean(dim=(0, 1))
-    return routing.num_partitions / routing.num_writers * (mean_prob * frac).sum()
+    return routing.num_sparse_partitions / routing.num_writers * (mean_prob * frac).sum()
 
 
 def _first(branch: Branch) -> Branch:
@@ -56,7 +56,7 @@ class SSEAttention(nn.Module):
         self.config, self.layer_idx = config, layer_idx
         H, K, V = config.num_heads, config.head_dim, config.head_v_dim
         self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
-        self.num_partitions = config.num_sparse_partitions
+        self.num_sparse_partitions = config.num_sparse_partitions
         self.transition = config.sse_transition
         hidden = config.hidden_size
         rank = config.resolved_lora_rank()
@@ -78,7 +78,7 @@ class SSEAttention(nn.Module):
             self.A_log = nn.Parameter(torch.zeros(2 * H))
             self.dt_bias = nn.Parameter(torch.zeros(2 * H))
             init_gdn_decay(self.A_log, self.dt_bias)
-        self.e_proj = nn.Linear(hidden, self.num_partitions, bias=False)
+        self.e_proj = nn.Linear(hidden, self.num_sparse_partitions, bias=False)
         if config.use_short_conv:
             self.q_conv1d_shared = ShortConvolution(H * K, config.conv_size)
             self.k_conv1d_shared = ShortConvolution(H * K, config.conv_size)

@@ -125,9 +125,9 @@ def linear_attention(transition, q, k, v, g, beta=None, *, mode="auto", chunk_si
 VARLEN_MIN_TOKENS_PER_PARTITION = 512
 
 
-def choose_sse_implementation(seq_len: int, num_partitions: int, num_selected: int, accelerated: bool) -> str:
+def choose_sse_implementation(seq_len: int, num_sparse_partitions: int, num_selected: int, accelerated: bool) -> str:
     """The PyTorch ops pay for every replicated head, so they always take varlen; kernels switch by length."""
-    if not accelerated or seq_len * num_selected / num_partitions >= VARLEN_MIN_TOKENS_PER_PARTITION:
+    if not accelerated or seq_len * num_selected / num_sparse_partitions >= VARLEN_MIN_TOKENS_PER_PARTITION:
         return "varlen"
     return "mask"
 
@@ -163,7 +163,7 @@ def sse_attention(
         # A backend without its own chunked kernels (e.g. CUDA without fla) runs the PyTorch ops: varlen.
         accelerated = not getattr(op, "is_reference", False)
         implementation = choose_sse_implementation(
-            seq_len, routing.num_partitions, max(routing.num_writers, routing.num_readers), accelerated
+            seq_len, routing.num_sparse_partitions, max(routing.num_writers, routing.num_readers), accelerated
         )
     impl = sse_masked if implementation == "mask" else sse_varlen
     return impl(shared, sparse, v, routing, opts, op, **kw)

@@ -46,7 +46,7 @@ class Routing:
     num_readers: int
 
     @property
-    def num_partitions(self) -> int:
+    def num_sparse_partitions(self) -> int:
         return self.probs.shape[-1]
 
     def _mask(self, count: int) -> torch.Tensor:
@@ -72,10 +72,10 @@ class Routing:
 
 def route(router_logits: torch.Tensor, num_writers: int, num_readers: int) -> Routing:
     """Softmax over partitions (in float32, float64 for float64 logits) and the top-k ranking."""
-    num_partitions = router_logits.shape[-1]
-    if not 1 <= num_writers <= num_partitions or not 1 <= num_readers <= num_partitions:
+    num_sparse_partitions = router_logits.shape[-1]
+    if not 1 <= num_writers <= num_sparse_partitions or not 1 <= num_readers <= num_sparse_partitions:
         raise ValueError(
-            f"num_writers ({num_writers}) and num_readers ({num_readers}) must be in [1, {num_partitions}]"
+            f"num_writers ({num_writers}) and num_readers ({num_readers}) must be in [1, {num_sparse_partitions}]"
         )
     probs = torch.softmax(router_logits.to(compute_dtype(router_logits)), dim=-1)
     topk = torch.topk(probs.detach(), max(num_writers, num_readers), dim=-1, sorted=True).indices
@@ -123,8 +123,8 @@ def gate_partition(sparse: Branch, v: torch.Tensor, read_w, write_w, write_mask,
     return q, k, v, sparse.g * m[..., 0], sparse.beta * m[..., 0]
 
 
-def _check_state(initial_state, num_seqs, num_partitions, q, v):
-    expected = (num_seqs, 1 + num_partitions, q.shape[2], q.shape[3], v.shape[3])
+def _check_state(initial_state, num_seqs, num_sparse_partitions, q, v):
+    expected = (num_seqs, 1 + num_sparse_partitions, q.shape[2], q.shape[3], v.shape[3])
     if initial_state is not None and tuple(initial_state.shape) != expected:
         raise ValueError(f"SSE state must be {list(expected)}, got {list(initial_state.shape)}")
 
@@ -191,7 +191,7 @@ def sse_recurrent(
     """The definition: :func:`sse_decode_step` applied token after token."""
     B, T, H, K = shared.q.shape
     V = v.shape[-1]
-    N = routing.num_partitions
+    N = routing.num_sparse_partitions
     num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _check_state(initial_state, num_seqs, N, shared.q, v)
     if cu_seqlens is not None:
@@ -241,7 +241,7 @@ def sse_masked(
     """Replicates the sparse inputs over the N partitions, masks them, folds ``(1 + N, H)`` into heads."""
     B, T, H, K = shared.q.shape
     V = v.shape[-1]
-    N = routing.num_partitions
+    N = routing.num_sparse_partitions
     num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _check_state(initial_state, num_seqs, N, shared.q, v)
     write_w, read_w, write_mask = routing.weights(opts.write_gate, opts.read_gate)
@@ -292,7 +292,7 @@ class VarlenPlan:
     position: torch.Tensor  # [L, Kmax] where token t's j-th ranked partition went (inverse of the reorder)
 
     @classmethod
-    def build(cls, topk: torch.Tensor, cu_seqlens: torch.Tensor, num_partitions: int) -> "VarlenPlan":
+    def build(cls, topk: torch.Tensor, cu_seqlens: torch.Tensor, num_sparse_partitions: int) -> "VarlenPlan":
         """``topk``: ``[L, Kmax]`` distinct partitions of each packed token."""
         L, Kmax = topk.shape
         device = topk.device
@@ -301,14 +301,14 @@ class VarlenPlan:
         topk = topk.long()
         # partition-major [N, L + 1]: the scan runs along the contiguous dimension (a scan over dim 0 of
         # [L, N] parallelises over only N columns on CUDA and is ~100x slower)
-        onehot = torch.zeros(num_partitions, L + 1, dtype=torch.int32, device=device)
+        onehot = torch.zeros(num_sparse_partitions, L + 1, dtype=torch.int32, device=device)
         onehot[:, 1:].scatter_(0, topk.t(), 1)
         before = onehot.cumsum(1).t()  # [L + 1, N]: pairs of each partition among tokens < t
         counts = before[cu[1:]] - before[cu[:-1]]  # [S, N]
         offsets = torch.cat([counts.new_zeros(1), counts.reshape(-1).cumsum(0)])
         seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), cu[1:] - cu[:-1], output_size=L)
         rank = before[:-1].gather(1, topk) - before[cu[seq]].gather(1, topk)  # [L, Kmax]
-        position = offsets[seq[:, None] * num_partitions + topk] + rank
+        position = offsets[seq[:, None] * num_sparse_partitions + topk] + rank
         token = torch.empty(L * Kmax, dtype=torch.long, device=device)
         partition = torch.empty_like(token)
         token[position.reshape(-1)] = torch.arange(L, device=device).repeat_interleave(Kmax)
@@ -331,7 +331,7 @@ def sse_varlen(
     segments (the original sequences), runs one varlen call, and sums the partition outputs per token."""
     B, T, H, K = shared.q.shape
     V = v.shape[-1]
-    N = routing.num_partitions
+    N = routing.num_sparse_partitions
     num_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _check_state(initial_state, num_seqs, N, shared.q, v)
     if cu_seqlens is None:
