@@ -63,6 +63,7 @@ class ModelSpec:
     convert_from: str | None = None
     config_overrides: dict = field(default_factory=dict)
     tokenizer: str | None = None  # a path or hub name; "char" builds the offline character tokenizer
+    # the weights as stored and served (the engines' default); training always upcasts to float32 master weights
     dtype: str = bounded("float32", choices=DTYPES)
 
 
@@ -182,7 +183,8 @@ class Recipe:
     seed: int = bounded(0, ge=0)
     device: str = bounded("auto", choices=("auto", "cpu", "cuda"))
     prompt_instruction: str = INSTRUCTION  # appended to every problem, in training and evaluation
-    bf16: bool | None = None  # bf16 autocast in training (TRL's ``bf16``); default: on CUDA unless model.dtype is float16
+    # training: bf16 autocast over float32 master weights ("bf16-mixed"), or "fp32"; auto: bf16-mixed on CUDA
+    precision: str = bounded("auto", choices=("auto", "bf16-mixed", "fp32"))
     model: ModelSpec = field(default_factory=ModelSpec)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)

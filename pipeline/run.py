@@ -19,15 +19,15 @@ import yaml
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
 from .lock import RunLock
 from .metrics import read_metrics
-from .models import engine_options, load_model, resolve_device
+from .models import engine_options, load_model, precision_name, resolve_device
 from .recipe import Recipe, RecipeError, recipe_to_dict
 
 logger = logging.getLogger(__name__)
 STAGES = ("distill", "grpo", "eval")
 # the recipe sections whose values change what a stage computes (ray, device, output_dir, name do not)
 STAGE_SETTINGS = {
-    "distill": ("model", "distill", "seed", "prompt_instruction", "bf16"),
-    "grpo": ("model", "grpo", "seed", "prompt_instruction", "bf16"),
+    "distill": ("model", "distill", "seed", "prompt_instruction", "precision"),
+    "grpo": ("model", "grpo", "seed", "prompt_instruction", "precision"),
     "eval": ("eval", "seed", "prompt_instruction"),
 }
 
@@ -234,7 +234,8 @@ def time_split(rows: list[dict]) -> list[str]:
 
 def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path:
     """``report.md``: what ran, where its outputs are, and the headline numbers."""
-    lines = [f"# {recipe.name}", "", f"Output directory: `{out}`", ""]
+    lines = [f"# {recipe.name}", "", f"Output directory: `{out}`",
+             f"Training precision: {precision_name(recipe, resolve_device(recipe.device))}.", ""]
     lines += ["| stage | seconds this run | final model | highlights |", "| --- | --- | --- | --- |"]
     for stage in STAGES:
         stage_dir = out / stage

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import drop_overlong, sft_dataset
 from ..metrics import MetricsLogger, plot_curves
-from ..models import load_model, resolve_device, trainer_options
+from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
         logger.info("distill: already done (%s)", final)
         return final
     device = resolve_device(recipe.device)
-    model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed)
+    model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
                                      recipe.distill.max_length)
     trainer = SFTTrainer(

@@ -27,7 +27,7 @@ from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty,
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
-from ..models import load_model, resolve_device, trainer_options
+from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 from ..rollout.backend import group_consecutive
@@ -182,7 +182,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         logger.info("grpo: already done (%s)", final)
         return final
     device = resolve_device(recipe.device)
-    model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed)
+    model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset = prompt_dataset(recipe.grpo.data, recipe.prompt_instruction)
     timer = Timer()
     verifier = MathVerifier(pool=VerifierPool(num_workers=recipe.grpo.rewards.workers,
