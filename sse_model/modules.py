@@ -138,6 +138,14 @@ class RotaryEmbedding(nn.Module):
     def compute_inv_freq(self) -> torch.Tensor:
         return rope_frequencies(self.dim, self.base, self.rope_parameters, self.max_position_embeddings)[0]
 
+    def _apply(self, fn, recurse=True):
+        """Moves with the model but never drops below float32: a bf16 ``inv_freq`` puts the rotary angle of a 2B
+        model off by radians beyond position 2k, so a bf16 engine would not attend like the trainer."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype in (torch.float16, torch.bfloat16):
+            self._buffers["inv_freq"] = self.compute_inv_freq().to(self.inv_freq.device)
+        return self
+
     def forward(self, q, k, position_ids):
         """``q, k: [B, T, H, D]``; ``position_ids: [B, T]``."""
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)

@@ -245,3 +245,23 @@ def test_bad_checkpoint_paths_give_one_line_errors(tmp_path):
     assert load_pretrained(tmp_path / "llama").config.model_type == "llama"
     with pytest.raises(CheckpointError, match=r"llama: a 'llama' model; an SSE model is needed here"):
         load_pretrained(tmp_path / "llama", require_sse=True)
+
+
+def test_rotary_frequencies_stay_float32_when_the_model_is_cast():
+    """A bf16 ``inv_freq`` turns the angle at position 32k into noise; the bf16 model must rotate like fp32."""
+    from sse_model.modules import RotaryEmbedding
+
+    reference = tiny("attn", dtype=torch.float32)
+    model = tiny("attn", dtype=torch.float32).to(torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            assert module.inv_freq.dtype == torch.float32
+            assert torch.equal(module.inv_freq, module.compute_inv_freq())
+    rope = next(m for m in model.modules() if isinstance(m, RotaryEmbedding))
+    rope32 = next(m for m in reference.modules() if isinstance(m, RotaryEmbedding))
+    q = torch.randn(1, 4, 2, rope.dim)
+    positions = torch.tensor([[5, 2_000, 8_000, 32_000]])
+    got = rope(q.bfloat16(), q.bfloat16(), positions)[0].float()
+    want = rope32(q.bfloat16().float(), q.bfloat16().float(), positions)[0]
+    assert (got - want).abs().max() < 2e-2  # bf16 rounding of the output only
+    assert rope.to(torch.float64).inv_freq.dtype == torch.float64  # wider dtypes are kept (parity tests)

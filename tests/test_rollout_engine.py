@@ -1,5 +1,7 @@
 """The rollout engine against model.generate and the model's own forward, on a tiny SSE-H."""
 
+import copy
+
 import pytest
 import torch
 
@@ -213,3 +215,19 @@ def test_engine_from_checkpoint_directory(model, tokenizer, tmp_path):
     local = make_engine(model, tokenizer).generate(PROMPTS[0], params)[0].outputs[0]
     loaded = full.generate(PROMPTS[0], params)[0].outputs[0]
     assert loaded.token_ids == local.token_ids and loaded.text == local.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_match_the_trainer_beyond_4k_positions(model, tokenizer, dtype):
+    """Rollout log-probs are what the trainer computes for the same tokens, far into the sequence: fp32 engine vs
+    fp32 forward, and a bf16 engine vs the trainer's fp32 master weights under bf16 autocast."""
+    prompt = torch.randint(4, len(tokenizer), (4_200,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = Engine(copy.deepcopy(model).to(dtype), tokenizer, max_slots=1, max_model_len=4_216,
+                    prefill_chunk_size=1_024)
+    out = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=1, ignore_eos=True))[0]
+    full = torch.tensor([prompt + out.outputs[0].token_ids])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        logp = torch.log_softmax(model(full).logits[0].float(), -1)
+    expected = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids)]
+    error = (torch.tensor(out.outputs[0].logprobs) - torch.tensor(expected)).abs()
+    assert error.max() < (1e-5 if dtype == torch.float32 else 1e-2), error
