@@ -125,8 +125,12 @@ class RewardConfig:
 class GRPOStageConfig:
     enabled: bool = True
     data: DataSpec = field(default_factory=lambda: DataSpec(source="math_train"))
-    steps: int = bounded(230, ge=1)
-    prompts_per_step: int = bounded(32, ge=1)
+    steps: int = bounded(230, ge=1)  # optimizer steps (TRL's global step): generation batches x mini_batches
+    prompts_per_batch: int = bounded(32, ge=1)  # prompts in one generation batch (each sampled num_generations times)
+    # PPO updates per generation batch: the batch is split into mini_batches optimizer steps (verl's
+    # ppo_mini_batch_size), so later steps train on rollouts of an older policy and the clip acts
+    mini_batches: int = bounded(1, ge=1)
+    num_iterations: int = bounded(1, ge=1)  # passes over each generation batch (GRPO's mu)
     num_generations: int = bounded(8, ge=2)  # GRPO compares the generations of a prompt
     max_prompt_length: int = bounded(1024, ge=1)
     max_completion_length: int = bounded(32768, ge=1)
@@ -212,6 +216,12 @@ class Recipe:
             fail("distill.lr_scheduler", f"unknown scheduler {self.distill.lr_scheduler!r} "
                  f"(known: {list(_schedulers())})" + (f"; did you mean {close[0]}?" if close else ""))
         g = self.grpo
+        if g.prompts_per_batch % g.mini_batches:
+            fail("grpo.mini_batches", f"must divide grpo.prompts_per_batch ({g.prompts_per_batch}), got {g.mini_batches}")
+        rows = g.prompts_per_batch // g.mini_batches * g.num_generations
+        if rows % g.gradient_accumulation_steps:
+            fail("grpo.gradient_accumulation_steps", f"must divide the {rows} completions of a mini-batch "
+                 f"(prompts_per_batch / mini_batches * num_generations), got {g.gradient_accumulation_steps}")
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
         if self.eval.enabled:

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_recipes_validate_and_name_bad_keys(tmp_path):
     paper = load_recipe("paper-2b")
-    assert (paper.grpo.steps, paper.grpo.num_generations, paper.grpo.max_completion_length) == (230, 8, 32768)
+    assert (paper.grpo.steps // paper.grpo.mini_batches, paper.grpo.num_generations) == (230, 8)
+    assert paper.grpo.max_completion_length == 32768
     assert paper.distill.epochs == 5 and paper.eval.repeats == 32 and paper.eval.top_p == 0.7
     assert sorted(paper.eval.benchmarks) == ["aime24", "aime25", "amc23", "math500", "olympiadbench"]
     assert load_recipe("demo", ["grpo.steps=3"]).grpo.steps == 3
@@ -72,6 +73,23 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     assert abs(row["sampling/sampling_logp_difference/mean"]) < 1e-3  # the engine samples from the policy
     engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
     assert [e["device"] for e in engines] == ["cpu"] and engines[0]["weights_version"] == 0
+
+
+def test_mini_batches_make_the_clip_act(distilled, tmp_path):
+    """One optimizer step per generation batch leaves the PPO ratio at 1 (clip fractions 0); with 4 mini-batches
+    the later ones train on rollouts of an older policy and the clip engages."""
+    from pipeline.run import run_recipe
+
+    _, checkpoint = distilled
+    recipe = load_recipe("demo", [*_grpo_overrides(tmp_path, 8), "grpo.mini_batches=4", "grpo.save_steps=8"])
+    run_recipe(recipe, ("grpo",), checkpoint=str(checkpoint))
+    rows = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "clip_ratio/region_mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows if "reward" in r] == [1, 5], "one generation batch per 4 optimizer steps"
+    clipped = [r["clip_ratio/region_mean"] for r in rows]
+    assert clipped[0] == clipped[4] == 0.0, "the first mini-batch of a generation batch is on-policy"
+    assert max(clipped) > 0.0, clipped
+    print("clip fraction per optimizer step:", clipped)
 
 
 def test_grpo_resumes_after_sigkill(distilled, tmp_path):

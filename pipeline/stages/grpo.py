@@ -2,8 +2,11 @@
 
 - ``rollout_func`` hands each prompt group (the sampler repeats a prompt ``num_generations`` times) to the
   engine fleet as one request with ``n = num_generations``, so the prompt is prefilled once and forked;
-- after every optimizer step the policy's weights are pushed to the engines before the next rollout (TRL's
-  weight-sync hook, which it calls at each new global step);
+- a generation batch (``prompts_per_batch`` prompts x ``num_generations``) is split into ``mini_batches``
+  optimizer steps (TRL's ``steps_per_generation``), optionally reused ``num_iterations`` times: after the first,
+  the policy has moved away from the one that sampled, and the PPO clip (``epsilon``/``epsilon_high``) acts;
+- before each generation batch the policy's weights are pushed to the engines (TRL's weight-sync hook, which it
+  calls when the global step has changed since the last sync);
 - the engines return the log-probability of every sampled token, and TRL's importance-sampling correction
   (``importance_sampling`` mode) reweights the loss by ``pi_train / pi_engine``: the engine and the
   trainer run different kernels, so the two differ slightly even with the same weights;
@@ -152,11 +155,13 @@ def grpo_config(recipe: Recipe, out_dir: Path, device):
     from trl import GRPOConfig
 
     cfg = recipe.grpo
-    batch = cfg.prompts_per_step * cfg.num_generations
+    completions = cfg.prompts_per_batch * cfg.num_generations
     return GRPOConfig(
         **trainer_options(recipe, cfg, out_dir, device),
         max_steps=cfg.steps,
-        per_device_train_batch_size=batch // cfg.gradient_accumulation_steps,
+        per_device_train_batch_size=completions // (cfg.mini_batches * cfg.gradient_accumulation_steps),
+        steps_per_generation=cfg.mini_batches * cfg.gradient_accumulation_steps,
+        num_iterations=cfg.num_iterations,
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature,

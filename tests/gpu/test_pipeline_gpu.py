@@ -19,7 +19,7 @@ def test_gpu_recipe_end_to_end_small(tmp_path):
     recipe = load_recipe("gpu-100m", [
         f"output_dir={tmp_path}", "model.config_overrides={hidden_size: 256, num_heads: 2, num_attention_heads: 4}",
         "distill.max_steps=6", "distill.logging_steps=2", "distill.save_steps=3",
-        "grpo.steps=3", "grpo.prompts_per_step=4", "grpo.save_steps=3", "eval.limit=4", "eval.repeats=2",
+        "grpo.steps=3", "grpo.prompts_per_batch=4", "grpo.save_steps=3", "eval.limit=4", "eval.repeats=2",
         "eval.max_new_tokens=64"])
     try:
         report = run_recipe(recipe)
