@@ -68,8 +68,10 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     print("GRPO format reward per step:", [round(r, 2) for r in rewards])
     assert (tmp_path / "grpo" / "reward_curve.png").exists()
     row = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r][-1]
-    for key in ("time/rollout_s", "time/reward_s", "time/train_s", "entropy", "completions/mean_length"):
+    for key in ("time/rollout_s", "time/reward_s", "time/train_s", "entropy", "completions/mean_length",
+                "balance_loss"):
         assert key in row, key
+    assert any(r.get("balance_loss", 0) > 0 for r in read_metrics(Path(checkpoint).parent / "metrics.jsonl"))
     assert abs(row["sampling/sampling_logp_difference/mean"]) < 1e-3  # the engine samples from the policy
     engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
     assert [e["device"] for e in engines] == ["cpu"] and engines[0]["weights_version"] == 0
@@ -321,3 +323,28 @@ def test_training_keeps_float32_master_weights():
     assert sum(moved) / len(moved) > 0.99
     assert autocast_bf16(recipe, torch.device("cuda")) and not autocast_bf16(recipe, torch.device("cpu"))
     assert not autocast_bf16(load_recipe("demo", ["precision=fp32"]), torch.device("cuda"))
+
+
+def test_distillation_loss_includes_the_sse_balance_loss(tmp_path):
+    """TRL's fused LM head never runs the model's own loss, so the partition-balance term must be added by the
+    trainer: its loss = the fused LM loss + aux_loss_coef * the backbone's balance loss, and it is logged."""
+    import torch
+
+    from pipeline.data import sft_dataset
+    from pipeline.models import TRAINING_DTYPE, load_model, resolve_device
+    from pipeline.stages.distill import make_trainer_class, sft_config
+
+    recipe = load_recipe("demo", ["distill.data.max_samples=16", "distill.batch_size=4"])
+    model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
+    assert model.config.aux_loss_coef == 0.01
+    trainer = make_trainer_class()(model=model, args=sft_config(recipe, tmp_path, resolve_device("cpu")),
+                                   train_dataset=sft_dataset(recipe.distill.data, recipe.prompt_instruction),
+                                   processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    model.train()
+    with torch.no_grad():
+        lm = model(**batch, fused_lm_head=True).loss
+        balance = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).aux_loss
+        loss = trainer.compute_loss(model, dict(batch))
+    assert balance > 0 and torch.allclose(loss, lm + 0.01 * balance, rtol=1e-5), (loss, lm, balance)
+    assert trainer._metrics["train"]["balance_loss"] == [pytest.approx(balance.item(), rel=1e-5)]

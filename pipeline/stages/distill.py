@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..balance import BalanceLossMixin
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import drop_overlong, sft_dataset
 from ..metrics import MetricsLogger, plot_curves
@@ -38,9 +39,17 @@ def sft_config(recipe: Recipe, out_dir: Path, device):
     )
 
 
+def make_trainer_class():
+    from trl import SFTTrainer
+
+    class SSESFTTrainer(BalanceLossMixin, SFTTrainer):
+        """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`)."""
+
+    return SSESFTTrainer
+
+
 def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> Path:
     """Trains and returns the directory of the final model (``<out_dir>/final``)."""
-    from trl import SFTTrainer
 
     out_dir = Path(out_dir)
     final = out_dir / "final"
@@ -51,7 +60,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
                                      recipe.distill.max_length)
-    trainer = SFTTrainer(
+    trainer = make_trainer_class()(
         model=model.to(device),
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,
@@ -62,7 +71,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     if resume is not None:
         logger.info("distill: resuming from %s", resume)
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "learning_rate", "grad_norm"], "distill")
+    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "balance_loss", "learning_rate", "grad_norm"], "distill")
     return save_final(trainer.model, tokenizer, final,
                       {"stage": "distill", "global_step": trainer.state.global_step,
                        "train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})

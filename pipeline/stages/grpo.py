@@ -10,6 +10,7 @@
 - the engines return the log-probability of every sampled token, and TRL's importance-sampling correction
   (``importance_sampling`` mode) reweights the loss by ``pi_train / pi_engine``: the engine and the
   trainer run different kernels, so the two differ slightly even with the same weights;
+- the SSE partition-balance loss is added to the policy loss (:mod:`pipeline.balance`) and logged;
 - rewards: accuracy (math-verify), format, DAPO's soft overlong penalty, with weights from the recipe;
 - DAPO options: ``loss_type``, clip-higher ``epsilon_high``, ``mask_truncated_completions``, and
   ``dynamic_filtering``: groups whose rewards are all equal carry no advantage and are dropped from the loss
@@ -27,6 +28,7 @@ from pathlib import Path
 from eval.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
+from ..balance import BalanceLossMixin
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
@@ -119,8 +121,8 @@ def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier):
 def make_trainer_class():
     from trl import GRPOTrainer
 
-    class SSEGRPOTrainer(GRPOTrainer):
-        """GRPO with rollouts from our engines (see the module docstring)."""
+    class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
+        """GRPO with rollouts from our engines and the SSE balance loss (see the module docstring)."""
 
         def __init__(self, *args, fleet=None, timer=None, dynamic_filtering=True, importance_sampling=True, **kwargs):
             super().__init__(*args, **kwargs)
@@ -226,5 +228,5 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     finally:
         verifier.close()
     plot_curves(out_dir / "metrics.jsonl", out_dir / "reward_curve.png",
-                ["reward", "rewards/*", "completions/mean_length", "time/step_s"], "GRPO")
+                ["reward", "rewards/*", "completions/mean_length", "balance_loss", "time/step_s"], "GRPO")
     return save_final(trainer.model, tokenizer, final, {"stage": "grpo", "global_step": trainer.state.global_step})
