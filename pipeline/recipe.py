@@ -142,7 +142,10 @@ class GRPOStageConfig:
     epsilon_high: float | None = bounded(0.28, gt=0)
     beta: float = bounded(0.0, ge=0)
     mask_truncated_completions: bool = True
-    dynamic_filtering: bool = True
+    # DAPO dynamic sampling: resample until the batch holds prompts_per_batch groups whose accuracy varies
+    dynamic_sampling: bool = True
+    max_sampling_rounds: int = bounded(3, ge=1, le=16)  # generation rounds per batch at most (le: MAX_SAMPLING_ROUNDS)
+    scale_rewards: str = bounded("group", choices=("group", "batch", "none"))  # advantage = (r - mean) / std of ...
     # TRL's vllm_importance_sampling_mode; "none" turns it off
     importance_sampling: str = bounded("sequence_mask", choices=("none", "token_truncate", "token_mask",
                                                                  "sequence_truncate", "sequence_mask"))

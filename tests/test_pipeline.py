@@ -94,6 +94,29 @@ def test_mini_batches_make_the_clip_act(distilled, tmp_path):
     print("clip fraction per optimizer step:", clipped)
 
 
+def test_dynamic_sampling_resamples_until_groups_disagree(distilled, tmp_path):
+    """Accuracy reward: groups whose samples are all right or all wrong are dropped and fresh prompts drawn, for at
+    most max_sampling_rounds rounds; a batch is short of informative groups only when the rounds ran out."""
+    from pipeline.run import run_recipe
+
+    _, checkpoint = distilled
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", "grpo.steps=3", "grpo.save_steps=3", "ray.num_cpus=2",
+                                  "grpo.max_sampling_rounds=3"])
+    run_recipe(recipe, ("grpo",), checkpoint=str(checkpoint))
+    rows = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r]
+    assert len(rows) == 3
+    for row in rows:
+        rounds, fraction = row["dynamic_sampling/rounds"], row["dynamic_sampling/informative_fraction"]
+        dropped = row["dynamic_sampling/groups_dropped"]
+        assert 1 <= rounds <= 3 and 0 <= fraction <= 1
+        assert fraction == 1.0 or rounds == 3, row
+        assert dropped == rounds * 8 - round(fraction * 8) or (fraction == 1.0 and dropped <= rounds * 8 - 8), row
+    print("rounds, informative fraction, dropped:",
+          [(r["dynamic_sampling/rounds"], r["dynamic_sampling/informative_fraction"],
+            r["dynamic_sampling/groups_dropped"]) for r in rows])
+    assert any(r["dynamic_sampling/rounds"] > 1 for r in rows), "the distilled model's groups never all agree?"
+
+
 def test_grpo_resumes_after_sigkill(distilled, tmp_path):
     """Kill the whole process group mid-run; the re-run continues the step counter and the optimizer."""
     _, checkpoint = distilled

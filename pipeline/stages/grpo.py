@@ -12,10 +12,11 @@
   trainer run different kernels, so the two differ slightly even with the same weights;
 - the SSE partition-balance loss is added to the policy loss (:mod:`pipeline.balance`) and logged;
 - rewards: accuracy (math-verify), format, DAPO's soft overlong penalty, with weights from the recipe;
-- DAPO options: ``loss_type``, clip-higher ``epsilon_high``, ``mask_truncated_completions``, and
-  ``dynamic_filtering``: groups whose rewards are all equal carry no advantage and are dropped from the loss
-  normaliser (their tokens masked) instead of diluting it. (DAPO also re-samples to refill the batch; we
-  do not: a step trains on the informative groups it drew.)
+- DAPO options: ``loss_type``, clip-higher ``epsilon_high``, ``mask_truncated_completions``, ``scale_rewards``
+  (``dr_grpo`` with ``none`` is Dr. GRPO), and ``dynamic_sampling``: groups whose *accuracy* is the same for every
+  sample (all right or all wrong) are dropped and fresh prompts sampled until the batch holds ``prompts_per_batch``
+  informative groups, for at most ``max_sampling_rounds`` rounds (a batch still short is filled with dropped groups
+  whose tokens are masked out of the loss); rounds, informative fraction and groups dropped are logged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import json
 import logging
 import time
 from pathlib import Path
+
+import torch
 
 from eval.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
@@ -36,6 +39,7 @@ from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 from ..rollout.backend import group_consecutive
+from .rollout_batch import concat_batches, informative_groups, select_groups
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,14 @@ class EngineWeightSync:
         self.timer.add("weight_sync", time.perf_counter() - start)
 
 
+MAX_SAMPLING_ROUNDS = 16
+
+
+def sampling_key(step: int, round_: int) -> int:
+    """The seed group of a sampling round: distinct for every (step, round) pair."""
+    return step * MAX_SAMPLING_ROUNDS + round_
+
+
 def make_rollout_func(fleet, recipe: Recipe, timer: Timer):
     cfg = recipe.grpo
 
@@ -62,9 +74,9 @@ def make_rollout_func(fleet, recipe: Recipe, timer: Timer):
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                  if isinstance(p, list) else p for p in prompts]
         groups = group_consecutive(texts, cfg.num_generations)
-        step = trainer.state.global_step
+        key = sampling_key(trainer.state.global_step, getattr(trainer, "sampling_round", 0))
         params = [SamplingParams(n=len(g), temperature=cfg.temperature, top_p=cfg.top_p,
-                                 max_tokens=cfg.max_completion_length, seed=request_seed(recipe.seed, step, 1000 * i),
+                                 max_tokens=cfg.max_completion_length, seed=request_seed(recipe.seed, key, 1000 * i),
                                  logprobs=True) for i, g in enumerate(groups)]
         prompt_ids = [tokenizer(texts[g[0]], add_special_tokens=False)["input_ids"][-cfg.max_prompt_length:]
                       for g in groups]
@@ -85,10 +97,13 @@ def make_rollout_func(fleet, recipe: Recipe, timer: Timer):
 
 
 def timed(reward, timer: Timer, name: str):
+    """``reward`` timed, its verifier counts logged, and its last values kept (``last_values``, read by dynamic
+    sampling)."""
     def call(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return reward(*args, **kwargs)
+            call.last_values = reward(*args, **kwargs)
+            return call.last_values
         finally:
             timer.add("reward", time.perf_counter() - start)
             stats = getattr(reward, "last_stats", None)
@@ -97,6 +112,7 @@ def timed(reward, timer: Timer, name: str):
                 timer.count("reward/no_answer", stats.no_answer)
 
     call.__name__ = name
+    call.last_values = None
     return call
 
 
@@ -122,12 +138,18 @@ def make_trainer_class():
     from trl import GRPOTrainer
 
     class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
-        """GRPO with rollouts from our engines and the SSE balance loss (see the module docstring)."""
+        """GRPO with rollouts from our engines, DAPO's dynamic sampling and the SSE balance loss (see the module
+        docstring)."""
 
-        def __init__(self, *args, fleet=None, timer=None, dynamic_filtering=True, importance_sampling=True, **kwargs):
+        def __init__(self, *args, fleet=None, timer=None, dynamic_sampling=True, max_sampling_rounds=3,
+                     importance_sampling=True, **kwargs):
             super().__init__(*args, **kwargs)
-            self.dynamic_filtering = dynamic_filtering
+            self.dynamic_sampling = dynamic_sampling
+            self.max_sampling_rounds = max_sampling_rounds
+            self.sampling_round = 0  # read by the rollout function: each round samples with its own seeds
             self.timer = timer or Timer()
+            self.accuracy_reward = next((f for f in self.reward_funcs if getattr(f, "__name__", "") == "accuracy"),
+                                        None)
             # TRL applies its importance-sampling correction and weight syncing to vLLM rollouts; our engine
             # plays that part.
             self.use_vllm = importance_sampling
@@ -139,16 +161,57 @@ def make_trainer_class():
             if not self.use_vllm and self.state.global_step != self._last_loaded_step:
                 self.vllm_generation.sync_weights()
                 self._last_loaded_step = self.state.global_step
+            self.sampling_round = 0
             output = super()._generate_and_score_completions(inputs)
-            if self.dynamic_filtering and self.model.training:
-                groups = output["advantages"].view(-1, self.num_generations)
-                informative = (groups != 0).any(dim=1)
-                if informative.any():
-                    keep = informative.repeat_interleave(self.num_generations)[:, None].to(output["completion_mask"].dtype)
-                    output["completion_mask"] = output["completion_mask"] * keep
-                    output["num_items_in_batch"] = self.accelerator.gather(output["completion_mask"].sum()).sum()
-                self.timer.count("grpo/filtered_group_fraction", 1.0 - informative.float().mean().item())
-            return output
+            if not (self.dynamic_sampling and self.model.training):
+                return output
+            return self._dynamic_sampling(inputs, output)
+
+        def _informative(self, output):
+            accuracy = getattr(self.accuracy_reward, "last_values", None) if self.accuracy_reward else None
+            return informative_groups(accuracy, output["advantages"], self.num_generations)
+
+        def _dynamic_sampling(self, inputs, output):
+            """DAPO: keep the groups whose accuracy varies and sample fresh prompts until the batch holds as many
+            as it was asked for, or ``max_sampling_rounds`` rounds have run; short, it is filled with uninformative
+            groups whose tokens are masked out of the loss."""
+            G = self.num_generations
+            target = len(inputs) // G
+            good, spare = [], []
+            rounds, sampled = 1, target
+            while True:
+                informative = self._informative(output)
+                good.append(select_groups(output, informative.nonzero().view(-1), G))
+                spare.append(select_groups(output, (~informative).nonzero().view(-1), G))
+                have = sum(len(b["advantages"]) for b in good) // G
+                short = torch.tensor([float(have < target)], device=self.accelerator.device)
+                if rounds >= self.max_sampling_rounds or not self.accelerator.gather(short).any():
+                    break  # every process loops the same number of rounds (the scoring gathers across them)
+                self.sampling_round = rounds
+                output = super()._generate_and_score_completions(self._fresh_groups(target, rounds))
+                rounds, sampled = rounds + 1, sampled + target
+            pad = self.processing_class.pad_token_id
+            kept = concat_batches([b for b in good if len(b["advantages"])] or good[:1], pad)
+            have = len(kept["advantages"]) // G
+            batch = select_groups(kept, torch.arange(min(have, target)), G)
+            if have < target:
+                filler = select_groups(concat_batches(spare, pad), torch.arange(target - have), G)
+                filler["completion_mask"] = torch.zeros_like(filler["completion_mask"])
+                batch = concat_batches([batch, filler], pad) if have else filler
+            batch["num_items_in_batch"] = self.accelerator.gather(batch["completion_mask"].sum()).sum()
+            metrics = self._metrics["train"]
+            metrics["dynamic_sampling/rounds"].append(rounds)
+            metrics["dynamic_sampling/informative_fraction"].append(min(have, target) / target)
+            metrics["dynamic_sampling/groups_dropped"].append(sampled - have)
+            return batch
+
+        def _fresh_groups(self, count, round_):
+            """``count`` prompts drawn from the training set (seeded by step, round and process), each repeated
+            ``num_generations`` times as TRL's sampler does."""
+            generator = torch.Generator().manual_seed(
+                request_seed(self.args.seed, sampling_key(self.state.global_step, round_), self.accelerator.process_index))
+            rows = torch.randint(len(self.train_dataset), (count,), generator=generator).tolist()
+            return [self.train_dataset[i] for i in rows for _ in range(self.num_generations)]
 
     return SSEGRPOTrainer
 
@@ -170,6 +233,7 @@ def grpo_config(recipe: Recipe, out_dir: Path, device):
         top_p=cfg.top_p,
         lr_scheduler_type="constant",
         loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards,
         epsilon=cfg.epsilon,
         epsilon_high=cfg.epsilon_high,
         beta=cfg.beta,
@@ -217,7 +281,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker()],
         fleet=fleet,
         timer=timer,
-        dynamic_filtering=recipe.grpo.dynamic_filtering,
+        dynamic_sampling=recipe.grpo.dynamic_sampling,
+        max_sampling_rounds=recipe.grpo.max_sampling_rounds,
         importance_sampling=recipe.grpo.importance_sampling != "none",
     )
     resume = latest_complete_checkpoint(out_dir / "checkpoints")

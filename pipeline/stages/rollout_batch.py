@@ -1,0 +1,58 @@
+"""Scored rollout batches (the dicts TRL's ``GRPOTrainer._generate_and_score_completions`` returns): which prompt
+groups can teach anything, and how groups from several sampling rounds become one batch (DAPO's dynamic sampling).
+
+A batch holds one row per completion, ``num_generations`` consecutive rows per prompt. Prompt tensors are
+left-padded, completion tensors right-padded (TRL's layout); ``num_items_in_batch`` is a count over the batch and is
+recomputed by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COUNT_KEYS = ("num_items_in_batch",)
+
+
+def informative_groups(accuracy: list[float] | None, advantages: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[groups]`` bool: the groups whose accuracy varies (DAPO's criterion: all right or all wrong teaches nothing,
+    whatever the overlong penalty or the format reward add). Without an accuracy reward, the groups whose
+    advantages are not all zero."""
+    if accuracy is not None:
+        values = torch.tensor([float("nan") if a is None else a for a in accuracy]).view(-1, group_size)
+        values = values.nan_to_num(0.0)
+        return (values.amax(dim=1) - values.amin(dim=1) > 1e-6).to(advantages.device)
+    return (advantages.view(-1, group_size) != 0).any(dim=1)
+
+
+def select_groups(batch: dict, groups: torch.Tensor, group_size: int) -> dict:
+    """The rows of the groups at indices ``groups``."""
+    rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).reshape(-1)
+    size = len(batch["prompt_ids"])
+    return {k: v[rows.to(v.device)] if torch.is_tensor(v) and v.dim() and len(v) == size and k not in COUNT_KEYS else v
+            for k, v in batch.items()}
+
+
+def concat_batches(batches: list[dict], pad_token_id: int) -> dict:
+    """One batch from several (same keys); pads prompts on the left and completions on the right to a common width."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    keys = batches[0].keys()
+    if any(b.keys() != keys for b in batches):
+        raise ValueError(f"rollout batches with different fields: {[sorted(b) for b in batches]}")
+    out = {}
+    for key in keys:
+        values = [b[key] for b in batches]
+        if key in COUNT_KEYS or not torch.is_tensor(values[0]) or values[0].dim() == 0:
+            out[key] = values[0]
+        elif values[0].dim() == 1:
+            out[key] = torch.cat(values)
+        else:
+            width = max(v.shape[1] for v in values)
+            value = pad_token_id if key.endswith("_ids") else 0
+            left = key.startswith("prompt_")
+            padded = []
+            for v in values:
+                pad = v.new_full((v.shape[0], width - v.shape[1], *v.shape[2:]), value)
+                padded.append(torch.cat([pad, v] if left else [v, pad], dim=1))
+            out[key] = torch.cat(padded)
+    return out

@@ -1,0 +1,48 @@
+"""Dynamic sampling's batch arithmetic: which groups teach something, and merging groups from several rounds."""
+
+import torch
+
+from pipeline.stages.rollout_batch import concat_batches, informative_groups, select_groups
+
+
+def batch(prompt_lengths, completion_lengths, advantages, pad=0, first_id=1):
+    """A TRL-layout batch: prompts left-padded, completions right-padded, one row per completion."""
+    P, C = max(prompt_lengths), max(completion_lengths)
+    rows = len(prompt_lengths)
+    out = {"prompt_ids": torch.full((rows, P), pad), "prompt_mask": torch.zeros(rows, P, dtype=torch.long),
+           "completion_ids": torch.full((rows, C), pad), "completion_mask": torch.zeros(rows, C, dtype=torch.long),
+           "sampling_per_token_logps": torch.zeros(rows, C), "advantages": torch.tensor(advantages),
+           "num_items_in_batch": torch.tensor(float(sum(completion_lengths)))}
+    for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        out["prompt_ids"][i, P - p:] = torch.arange(first_id, first_id + p)
+        out["prompt_mask"][i, P - p:] = 1
+        out["completion_ids"][i, :c] = torch.arange(first_id, first_id + c)
+        out["completion_mask"][i, :c] = 1
+        out["sampling_per_token_logps"][i, :c] = -0.5
+    return out
+
+
+def test_accuracy_decides_which_groups_are_informative():
+    """All wrong with different overlong penalties still has non-zero advantages; it teaches nothing."""
+    advantages = torch.tensor([0.7, -0.7, 0.0, 0.0, 0.3, -0.3])  # group 0 varies only through the penalty
+    accuracy = [0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert informative_groups(accuracy, advantages, 2).tolist() == [False, False, True]
+    assert informative_groups(None, advantages, 2).tolist() == [True, False, True]
+    assert informative_groups([None, 1.0, 0.0, 0.0, 1.0, 1.0], advantages, 2).tolist() == [True, False, False]
+
+
+def test_groups_from_two_rounds_merge_with_prompts_left_and_completions_right_padded():
+    a = batch([2, 2, 3, 3], [4, 1, 2, 2], [1.0, -1.0, 0.5, -0.5])
+    b = batch([5, 5], [6, 3], [2.0, -2.0], first_id=10)
+    picked = select_groups(a, torch.tensor([1]), 2)
+    assert picked["advantages"].tolist() == [0.5, -0.5] and picked["num_items_in_batch"] is a["num_items_in_batch"]
+    merged = concat_batches([picked, b], pad_token_id=0)
+    assert merged["prompt_ids"].shape == (4, 5) and merged["completion_ids"].shape == (4, 6)
+    assert merged["prompt_ids"][0].tolist() == [0, 0, 1, 2, 3] and merged["prompt_mask"][0].tolist() == [0, 0, 1, 1, 1]
+    assert merged["completion_ids"][0].tolist() == [1, 2, 0, 0, 0, 0]
+    assert merged["completion_mask"].sum(1).tolist() == [2, 2, 6, 3]
+    assert merged["sampling_per_token_logps"][0].tolist() == [-0.5, -0.5, 0, 0, 0, 0]
+    assert merged["advantages"].tolist() == [0.5, -0.5, 2.0, -2.0]
+    # every real token keeps its position relative to the end of its prompt and the start of its completion
+    for row, source in [(2, b["completion_ids"][0]), (3, b["completion_ids"][1])]:
+        assert merged["completion_ids"][row].tolist() == source.tolist()
