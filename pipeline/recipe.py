@@ -146,10 +146,9 @@ class GRPOStageConfig:
     dynamic_sampling: bool = True
     max_sampling_rounds: int = bounded(3, ge=1, le=16)  # generation rounds per batch at most (le: MAX_SAMPLING_ROUNDS)
     scale_rewards: str = bounded("group", choices=("group", "batch", "none"))  # advantage = (r - mean) / std of ...
-    # TRL's vllm_importance_sampling_mode; "none" turns it off
-    importance_sampling: str = bounded("sequence_mask", choices=("none", "token_truncate", "token_mask",
-                                                                 "sequence_truncate", "sequence_mask"))
-    importance_sampling_clip: float = bounded(3.0, gt=0)
+    # engine -> trainer correction per token: truncated (TIS, ratio capped) or masked (MIS, outside [1/cap, cap])
+    importance_sampling: str = bounded("token_truncate", choices=("none", "token_truncate", "token_mask"))
+    importance_sampling_cap: float = bounded(2.0, gt=1)
     gradient_accumulation_steps: int = bounded(1, ge=1)
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)

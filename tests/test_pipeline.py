@@ -72,7 +72,8 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
                 "balance_loss"):
         assert key in row, key
     assert any(r.get("balance_loss", 0) > 0 for r in read_metrics(Path(checkpoint).parent / "metrics.jsonl"))
-    assert abs(row["sampling/sampling_logp_difference/mean"]) < 1e-3  # the engine samples from the policy
+    assert row["importance_sampling/logp_difference/mean"] < 1e-3  # the engine samples from the policy
+    assert 0.99 < row["importance_sampling/ratio/mean"] < 1.01 and row["importance_sampling/corrected_fraction"] < 0.01
     engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
     assert [e["device"] for e in engines] == ["cpu"] and engines[0]["weights_version"] == 0
 
@@ -355,12 +356,12 @@ def test_distillation_loss_includes_the_sse_balance_loss(tmp_path):
 
     from pipeline.data import sft_dataset
     from pipeline.models import TRAINING_DTYPE, load_model, resolve_device
-    from pipeline.stages.distill import make_trainer_class, sft_config
+    from pipeline.stages.distill import SSESFTTrainer, sft_config
 
     recipe = load_recipe("demo", ["distill.data.max_samples=16", "distill.batch_size=4"])
     model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
     assert model.config.aux_loss_coef == 0.01
-    trainer = make_trainer_class()(model=model, args=sft_config(recipe, tmp_path, resolve_device("cpu")),
+    trainer = SSESFTTrainer(model=model, args=sft_config(recipe, tmp_path, resolve_device("cpu")),
                                    train_dataset=sft_dataset(recipe.distill.data, recipe.prompt_instruction),
                                    processing_class=tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))

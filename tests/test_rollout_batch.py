@@ -1,5 +1,6 @@
 """Dynamic sampling's batch arithmetic: which groups teach something, and merging groups from several rounds."""
 
+import pytest
 import torch
 
 from pipeline.stages.rollout_batch import concat_batches, informative_groups, select_groups
@@ -46,3 +47,23 @@ def test_groups_from_two_rounds_merge_with_prompts_left_and_completions_right_pa
     # every real token keeps its position relative to the end of its prompt and the start of its completion
     for row, source in [(2, b["completion_ids"][0]), (3, b["completion_ids"][1])]:
         assert merged["completion_ids"][row].tolist() == source.tolist()
+
+
+def test_engine_correction_truncates_or_masks_per_token():
+    from pipeline.stages.rollout_batch import engine_correction
+
+    ratio = torch.tensor([[1.0, 3.0, 0.25, 1.5], [0.9, 1.1, 5.0, 1.0]])
+    engine = torch.full_like(ratio, -2.0)
+    trainer = engine + ratio.log()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])  # the 5.0 is padding: never counted
+    weights, stats = engine_correction(trainer, engine, mask, "token_truncate", cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[1.0, 2.0, 0.25, 1.5], [0.9, 1.1, 0.0, 0.0]]))
+    assert stats["corrected_fraction"].item() == pytest.approx(1 / 6)
+    assert stats["ratio/max"].item() == pytest.approx(3.0) and stats["ratio/min"].item() == pytest.approx(0.25)
+    weights, stats = engine_correction(trainer, engine, mask, "token_mask", cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[1.0, 0.0, 0.0, 1.5], [0.9, 1.1, 0.0, 0.0]]))
+    assert stats["corrected_fraction"].item() == pytest.approx(2 / 6)
+    engine[0, 0] = float("nan")  # a token the engine could not score is left uncorrected
+    assert engine_correction(trainer, engine, mask, "token_mask", 2.0)[0][0, 0] == 1.0
+    with pytest.raises(ValueError, match="sequence_mask"):
+        engine_correction(trainer, engine, mask, "sequence_mask", 2.0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from trl import SFTConfig, SFTTrainer
+
 from ..balance import BalanceLossMixin
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import drop_overlong, sft_dataset
@@ -20,9 +22,7 @@ from ..recipe import Recipe
 logger = logging.getLogger(__name__)
 
 
-def sft_config(recipe: Recipe, out_dir: Path, device):
-    from trl import SFTConfig
-
+def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
     cfg = recipe.distill
     return SFTConfig(
         **trainer_options(recipe, cfg, out_dir, device),
@@ -39,13 +39,8 @@ def sft_config(recipe: Recipe, out_dir: Path, device):
     )
 
 
-def make_trainer_class():
-    from trl import SFTTrainer
-
-    class SSESFTTrainer(BalanceLossMixin, SFTTrainer):
-        """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`)."""
-
-    return SSESFTTrainer
+class SSESFTTrainer(BalanceLossMixin, SFTTrainer):
+    """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`)."""
 
 
 def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> Path:
@@ -60,7 +55,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
                                      recipe.distill.max_length)
-    trainer = make_trainer_class()(
+    trainer = SSESFTTrainer(
         model=model.to(device),
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,

@@ -56,3 +56,33 @@ def concat_batches(batches: list[dict], pad_token_id: int) -> dict:
                 padded.append(torch.cat([pad, v] if left else [v, pad], dim=1))
             out[key] = torch.cat(padded)
     return out
+
+
+def engine_correction(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                      cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token importance weights ``pi_trainer / pi_engine`` for rollouts the engine sampled ``[B, T]``.
+
+    ``token_truncate`` (TIS) caps each ratio at ``cap``; ``token_mask`` (MIS) zeroes the tokens whose ratio lies
+    outside ``[1 / cap, cap]``. Token level on purpose: a sequence's ratio is a product over up to 32k tokens, and
+    bf16 rounding alone puts about half of such sequences outside [1/3, 3]. Padding gets weight 0. Also returns
+    the statistics to log (over real tokens): the ratio's mean/min/max, the fraction truncated or masked and the
+    mean/max |log-prob difference|."""
+    if mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"importance_sampling: {mode!r} is not one of token_truncate, token_mask")
+    real = mask.bool()
+    diff = (trainer_logps - engine_logps).nan_to_num(0.0)  # a token the engine could not score: no correction
+    ratio = diff.clamp(max=50.0).exp()
+    if mode == "token_truncate":
+        corrected = real & (ratio > cap)
+        weights = ratio.clamp(max=cap)
+    else:
+        corrected = real & ((ratio > cap) | (ratio < 1.0 / cap))
+        weights = ratio.masked_fill(corrected, 0.0)
+    weights = weights * real
+    values, gaps = ratio[real], diff[real].abs()
+    if values.numel() == 0:
+        values = gaps = torch.zeros(1, device=ratio.device)
+    stats = {"ratio/mean": values.mean(), "ratio/min": values.min(), "ratio/max": values.max(),
+             "corrected_fraction": corrected.sum() / real.sum().clamp(min=1),
+             "logp_difference/mean": gaps.mean(), "logp_difference/max": gaps.max()}
+    return weights, stats
