@@ -1,0 +1,83 @@
+"""Engine against trainer log-probabilities far into a sequence: are the rollouts the policy being trained?
+
+For each position P in ``--positions``: a random prompt of P tokens; the engine (its weights in ``--engine-dtype``,
+chunked prefill, recurrent decode) samples ``--new-tokens`` tokens and returns their log-probabilities; the
+trainer (float32 master weights under bf16 autocast on CUDA, one full forward as in a training step) scores the
+same tokens. Prints, per position, mean and max |logp_engine - logp_trainer| and the token-level importance ratio
+that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]). Random weights.
+
+    python -m pipeline.rollout.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
+    python -m pipeline.rollout.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from .engine import Engine
+from .sampling import SamplingParams
+
+
+def trainer_logprobs(model, ids: list[int], start: int, device: torch.device) -> torch.Tensor:
+    """Log-probabilities of ``ids[start:]`` as the GRPO trainer computes them (bf16 autocast on CUDA)."""
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(x, logits_to_keep=len(ids) - start + 1).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, start:, None]).squeeze(-1).cpu()
+
+
+def measure(trainer_model, engine: Engine, position: int, new_tokens: int, device: torch.device, seed: int) -> dict:
+    vocab = trainer_model.config.vocab_size
+    prompt = torch.randint(0, vocab, (position,), generator=torch.Generator().manual_seed(seed)).tolist()
+    start = time.perf_counter()
+    out = engine.generate(prompt, SamplingParams(max_tokens=new_tokens, seed=seed, ignore_eos=True))[0].outputs[0]
+    engine_s = time.perf_counter() - start
+    engine_logps = torch.tensor(out.logprobs)
+    trainer_logps = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device)
+    gap = (engine_logps - trainer_logps).abs()
+    ratio = (trainer_logps - engine_logps).exp()
+    return {"position": position, "tokens": len(gap), "mean": gap.mean().item(), "max": gap.max().item(),
+            "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+            "outside": ((ratio > 2) | (ratio < 0.5)).float().mean().item(), "engine_s": engine_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="sse-h-2b")
+    parser.add_argument("--positions", type=int, nargs="+", default=[2048, 8192, 32000])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        import kernels
+
+        kernels.register()
+    torch.manual_seed(args.seed)
+    config = SSEConfig.from_preset(args.preset, max_position_embeddings=max(args.positions) + args.new_tokens)
+    trainer_model = SSEForCausalLM(config).to(device).eval()  # float32 master weights
+    engine_model = copy.deepcopy(trainer_model).to(getattr(torch, args.engine_dtype))
+    engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
+                    prefill_chunk_size=8192, use_cuda_graphs=False)
+    rows = [measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i)
+            for i, p in enumerate(args.positions)]
+    print(f"\n{args.preset}: engine {args.engine_dtype} vs trainer float32 weights"
+          f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
+          f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'})\n")
+    print("| position | mean abs logp gap | max abs logp gap | ratio mean | ratio min | ratio max | outside [1/2, 2] |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['position']} | {r['mean']:.2e} | {r['max']:.2e} | {r['ratio_mean']:.3f} | {r['ratio_min']:.3f} "
+              f"| {r['ratio_max']:.3f} | {r['outside']:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
