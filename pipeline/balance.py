@@ -49,5 +49,6 @@ class BalanceLossMixin:
             scale /= self.current_gradient_accumulation_steps
         loss = result[0] if return_outputs else result
         loss = loss + scale * balance.to(loss.device)
-        self._metrics["train"]["balance_loss"].append(self.accelerator.gather_for_metrics(balance.detach()).mean().item())
+        logged = self.accelerator.gather_for_metrics(balance.detach()).mean().item()
+        self._metrics["train"]["balance_loss"].append(logged)
         return (loss, result[1]) if return_outputs else loss

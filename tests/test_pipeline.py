@@ -76,6 +76,17 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     assert 0.99 < row["importance_sampling/ratio/mean"] < 1.01 and row["importance_sampling/corrected_fraction"] < 0.01
     engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
     assert [e["device"] for e in engines] == ["cpu"] and engines[0]["weights_version"] == 0
+    _assert_ray_resources_released()
+
+
+def _assert_ray_resources_released():
+    """The stage's engines are gone when it returns: the next stage (evaluation) needs their CPUs / GPUs."""
+    import ray
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.time() < deadline, f"resources still held: {ray.available_resources()}"
+        time.sleep(0.5)
 
 
 def test_mini_batches_make_the_clip_act(distilled, tmp_path):

@@ -236,7 +236,8 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
     def _fresh_groups(self, count: int, round_: int) -> list[dict]:
         """``count`` prompts drawn from the training set (seeded by step, round and process), each repeated
         ``num_generations`` times as TRL's sampler does."""
-        seed = request_seed(self.args.seed, sampling_key(self.state.global_step, round_), self.accelerator.process_index)
+        key = sampling_key(self.state.global_step, round_)
+        seed = request_seed(self.args.seed, key, self.accelerator.process_index)
         rows = torch.randint(len(self.train_dataset), (count,), generator=torch.Generator().manual_seed(seed)).tolist()
         return [self.train_dataset[i] for i in rows for _ in range(self.num_generations)]
 
@@ -287,32 +288,33 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                             strict=recipe.grpo.rewards.strict_boxed)
     funcs, weights = build_rewards(recipe, timer, verifier)
     fleet = fleet_factory(start_from)
-    engines = fleet.get_stats()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "engines.json").write_text(json.dumps(engines, indent=1))
-    logger.info("grpo: %d engine(s): %s", len(engines),
-                [{k: e[k] for k in ("device", "dtype", "max_slots")} for e in engines])
-    if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
-        raise RuntimeError("grpo: the trainer is on CUDA but a rollout engine runs on the CPU; check the Ray GPU "
-                           "resources (ray.num_gpus) and grpo.engine")
-    args = grpo_config(recipe, out_dir, device)
-    args.reward_weights = weights
-    trainer = SSEGRPOTrainer(
-        model=model.to(device),
-        reward_funcs=funcs,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker()],
-        fleet=fleet,
-        timer=timer,
-    )
-    resume = latest_complete_checkpoint(out_dir / "checkpoints")
-    if resume is not None:
-        logger.info("grpo: resuming from %s", resume)
-    try:
+    try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
+        engines = fleet.get_stats()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "engines.json").write_text(json.dumps(engines, indent=1))
+        logger.info("grpo: %d engine(s): %s", len(engines),
+                    [{k: e[k] for k in ("device", "dtype", "max_slots")} for e in engines])
+        if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
+            raise RuntimeError("grpo: the trainer is on CUDA but a rollout engine runs on the CPU; check the Ray GPU "
+                               "resources (ray.num_gpus) and grpo.engine")
+        args = grpo_config(recipe, out_dir, device)
+        args.reward_weights = weights
+        trainer = SSEGRPOTrainer(
+            model=model.to(device),
+            reward_funcs=funcs,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker()],
+            fleet=fleet,
+            timer=timer,
+        )
+        resume = latest_complete_checkpoint(out_dir / "checkpoints")
+        if resume is not None:
+            logger.info("grpo: resuming from %s", resume)
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
+        fleet.shutdown()
         verifier.close()
     plot_curves(out_dir / "metrics.jsonl", out_dir / "reward_curve.png",
                 ["reward", "rewards/*", "completions/mean_length", "balance_loss", "time/step_s"], "GRPO")
