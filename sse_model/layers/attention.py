@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..modules import RotaryEmbedding
+from ..ops.attention import packed_causal_attention
 from .common import ForwardContext
 
 
@@ -14,7 +15,9 @@ class SoftmaxAttention(nn.Module):
     """Llama/Qwen2-style attention; parameter names match those models and fla's ``Attention``.
 
     A query at absolute position ``i`` sees keys at ``j <= i`` (and ``j > i - window`` for ``swa``) that
-    are valid in the key mask and, in a packed batch, belong to the same sequence.
+    are valid in the key mask and, in a packed batch, belong to the same sequence. A packed batch attends
+    sequence by sequence (:mod:`sse_model.ops.attention`), never through a dense mask; padding and caches
+    build a boolean mask from the cache coordinates.
     """
 
     def __init__(self, config, layer_idx: int, window: int | None = None):
@@ -40,18 +43,20 @@ class SoftmaxAttention(nn.Module):
         q, k = self.rotary(q, k, ctx.position_ids)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
 
-        if ctx.cache is not None:
-            k, v, key_index, key_valid = ctx.cache.attend(self.layer_idx, k, v)
+        if ctx.cache is None and ctx.cu_seqlens is not None and ctx.key_mask is None:
+            o = packed_causal_attention(q, k, v, ctx.segments, self.window)
         else:
-            key_index, key_valid = ctx.query_index, None
-
-        mask = self._mask(ctx, key_index, key_valid)
-        o = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=mask,
-            is_causal=mask is None and T > 1,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+            if ctx.cache is not None:
+                k, v, key_index, key_valid = ctx.cache.attend(self.layer_idx, k, v)
+            else:
+                key_index, key_valid = ctx.query_index, None
+            mask = self._mask(ctx, key_index, key_valid)
+            o = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=mask,
+                is_causal=mask is None and T > 1,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(o), None
 

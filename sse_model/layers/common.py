@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..cache import SlotCache, SSEHybridCache
+from ..ops.attention import segments_of
 
 
 @dataclass
@@ -28,6 +30,12 @@ class ForwardContext:
     @property
     def use_cache(self) -> bool:
         return self.cache is not None
+
+    @cached_property
+    def segments(self) -> list[tuple[int, int]] | None:
+        """The packed sequences as host ``(start, end)`` pairs, read once per forward (softmax layers attend
+        sequence by sequence)."""
+        return None if self.cu_seqlens is None else segments_of(self.cu_seqlens)
 
 
 def zero_padding(x: torch.Tensor | None, token_mask: torch.Tensor | None) -> torch.Tensor | None:
