@@ -149,6 +149,10 @@ class GRPOStageConfig:
     # engine -> trainer correction per token: truncated (TIS, ratio capped) or masked (MIS, outside [1/cap, cap])
     importance_sampling: str = bounded("token_truncate", choices=("none", "token_truncate", "token_mask"))
     importance_sampling_cap: float = bounded(2.0, gt=1)
+    # log-prob and loss passes on packed rows of real tokens, at most max_tokens_per_microbatch per forward
+    # (default: the padded micro-batch's size); padding_free: false is TRL's padded pass
+    padding_free: bool = True
+    max_tokens_per_microbatch: int | None = bounded(None, ge=1)
     gradient_accumulation_steps: int = bounded(1, ge=1)
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)

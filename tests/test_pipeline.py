@@ -383,3 +383,69 @@ def test_distillation_loss_includes_the_sse_balance_loss(tmp_path):
         loss = trainer.compute_loss(model, dict(batch))
     assert balance > 0 and torch.allclose(loss, lm + 0.01 * balance, rtol=1e-5), (loss, lm, balance)
     assert trainer._metrics["train"]["balance_loss"] == [pytest.approx(balance.item(), rel=1e-5)]
+
+
+def test_padding_free_grpo_loss_and_gradients_equal_the_padded_pass(tmp_path):
+    """GRPO's loss pass on packed rows of real tokens (SSE layers reset per row, attention per row) gives the loss,
+    the log-probs and every gradient of TRL's padded pass, for rows whose prompts and completions differ in length,
+    also when a token budget splits them over several forwards."""
+    import torch
+    from datasets import Dataset
+
+    from pipeline.models import TRAINING_DTYPE, load_model, resolve_device
+    from pipeline.packing import pack_rows
+    from pipeline.stages.grpo import SSEGRPOTrainer, grpo_config
+
+    recipe = load_recipe("demo", ["grpo.prompts_per_batch=2", "grpo.num_generations=3"])
+    model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
+    assert "attn" in model.config.mixer_types and "sse" in model.config.mixer_types
+
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = SSEGRPOTrainer(model=model, reward_funcs=[zero], args=grpo_config(recipe, tmp_path, resolve_device("cpu")),
+                             train_dataset=Dataset.from_list([{"prompt": "1+2=?"}]), processing_class=tokenizer,
+                             fleet=None)
+    g = torch.Generator().manual_seed(0)
+    prompt_lengths, completion_lengths = [5, 9, 3, 7, 9, 4], [6, 2, 11, 8, 1, 11]
+    P, C = max(prompt_lengths), max(completion_lengths)
+    prompt_ids = torch.full((6, P), tokenizer.pad_token_id)
+    prompt_mask = torch.zeros(6, P, dtype=torch.long)
+    completion_ids = torch.full((6, C), tokenizer.pad_token_id)
+    completion_mask = torch.zeros(6, C, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        prompt_ids[i, P - p:], prompt_mask[i, P - p:] = torch.randint(5, 60, (p,), generator=g), 1
+        completion_ids[i, :c], completion_mask[i, :c] = torch.randint(5, 60, (c,), generator=g), 1
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.randn(6, generator=g),
+              "num_items_in_batch": completion_mask.sum()}
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    model.train()
+
+    def loss_and_grads(padding_free: bool, budget: int | None):
+        trainer.args.padding_free, trainer.args.max_tokens_per_microbatch = padding_free, budget
+        model.zero_grad()
+        ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+        logps, entropy, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, compute_entropy=True)
+        loss = trainer.compute_loss(model, dict(inputs))
+        loss.backward()
+        keep = completion_mask.bool()
+        return loss.detach(), logps[keep].detach(), entropy[keep].detach(), \
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def assert_equal(packed, padded):
+        torch.testing.assert_close(packed[1], padded[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[2], padded[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-6)
+        assert packed[3].keys() == padded[3].keys() and len(padded[3]) > 10
+        for name in padded[3]:
+            torch.testing.assert_close(packed[3][name], padded[3][name], rtol=1e-4, atol=1e-6, msg=name)
+
+    assert_equal(loss_and_grads(True, None), loss_and_grads(False, None))  # one forward, balance loss included
+    # 25 tokens: each forward holds one or two rows. The balance loss is then the mean of each forward's own (as over
+    # TRL's micro-batches), so the policy loss is compared alone.
+    trainer.balance_loss_coef = 0.0
+    assert_equal(loss_and_grads(True, 25), loss_and_grads(False, None))
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    sizes = [row.input_ids.shape[1] for row in pack_rows(ids, mask, C, 25)]
+    assert sizes == [22, 14, 25, 15], sizes  # rows of 11, 11, 14, 15, 10 and 15 tokens

@@ -9,6 +9,8 @@
 - the engines return the log-probability of every sampled token and each token's advantage is weighted by
   ``pi_trainer / pi_engine``, truncated (TIS) or masked (MIS) at ``importance_sampling_cap``: the engine runs
   other kernels and bf16 weights, so it samples from a slightly different policy than the one trained;
+- the log-prob and loss passes are padding-free (``padding_free``): the rows' real tokens are packed into forwards
+  of at most ``max_tokens_per_microbatch`` tokens, the SSE layers reset at each row and attention stays per row;
 - the SSE partition-balance loss is added to the policy loss (:mod:`pipeline.balance`) and logged;
 - rewards: accuracy (math-verify), format, DAPO's soft overlong penalty, with weights from the recipe;
 - DAPO options: ``loss_type``, clip-higher ``epsilon_high``, ``mask_truncated_completions``, ``scale_rewards``
@@ -37,6 +39,7 @@ from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint,
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
+from ..packing import pack_rows, unpack_per_token
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 from ..rollout.backend import group_consecutive
@@ -104,12 +107,18 @@ class SSEGRPOConfig(GRPOConfig):
     dynamic_sampling: bool = field(default=True, metadata={
         "help": "Resample until the batch holds groups whose accuracy varies (DAPO)."})
     max_sampling_rounds: int = field(default=3, metadata={"help": "Generation rounds per batch at most."})
+    padding_free: bool = field(default=True, metadata={
+        "help": "Log-prob and loss passes run on packed rows of real tokens (no padding, no dense attention mask)."})
+    max_tokens_per_microbatch: int | None = field(default=None, metadata={
+        "help": "Tokens in one packed forward at most; default: as many as the padded micro-batch would hold."})
 
     def __post_init__(self):
         super().__post_init__()
         if self.importance_sampling not in ("none", "token_truncate", "token_mask"):
             raise ValueError(f"importance_sampling: {self.importance_sampling!r} is not one of none, token_truncate, "
                              "token_mask")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch: must be positive, got {self.max_tokens_per_microbatch}")
         if not 1 <= self.max_sampling_rounds <= MAX_SAMPLING_ROUNDS:
             raise ValueError(f"max_sampling_rounds: {self.max_sampling_rounds} is not in [1, {MAX_SAMPLING_ROUNDS}]")
 
@@ -195,6 +204,29 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
                 reduce(self.accelerator.gather(value.detach().float()[None])).item())
         return batch
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's per-token log-probs (and entropies) ``[rows, logits_to_keep]``, computed padding-free: the rows'
+        real tokens packed into forwards of at most ``max_tokens_per_microbatch`` tokens (:mod:`pipeline.packing`)."""
+        if not self.args.padding_free or compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        rows, width = input_ids.shape
+        budget = self.args.max_tokens_per_microbatch or (batch_size or rows) * width
+        packed = pack_rows(input_ids, attention_mask, logits_to_keep, budget)
+        logps, entropies = [], []
+        for row in packed:
+            with self.accelerator.autocast():
+                out = model(input_ids=row.input_ids, position_ids=row.position_ids, cu_seqlens=row.cu_seqlens,
+                            labels=row.labels, fused_lm_head=True)
+            logps.append(out.log_probs)
+            if compute_entropy:
+                entropies.append(out.entropy)
+        logps = unpack_per_token(logps, packed, rows, logits_to_keep)
+        entropies = unpack_per_token(entropies, packed, rows, logits_to_keep) if compute_entropy else None
+        return logps, entropies, None
+
     def _informative(self, batch: dict) -> torch.Tensor:
         accuracy = self.accuracy_reward.last_values if self.accuracy_reward is not None else None
         return informative_groups(accuracy, batch["advantages"], self.num_generations)
@@ -267,6 +299,8 @@ def grpo_config(recipe: Recipe, out_dir: Path, device) -> SSEGRPOConfig:
         importance_sampling_cap=cfg.importance_sampling_cap,
         dynamic_sampling=cfg.dynamic_sampling,
         max_sampling_rounds=cfg.max_sampling_rounds,
+        padding_free=cfg.padding_free,
+        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         reward_weights=None,
         shuffle_dataset=True,
     )
