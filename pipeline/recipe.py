@@ -104,6 +104,7 @@ class EngineConfig:
     max_slots: int | None = bounded(None, ge=1)
     memory_budget_gb: float | None = bounded(None, gt=0)
     prefill_chunk_size: int = bounded(2048, ge=1)
+    block_size: int = bounded(256, ge=1)  # tokens per KV block of the full-attention layers
     use_cuda_graphs: bool | None = None
     dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU

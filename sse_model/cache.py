@@ -3,8 +3,9 @@
 Two implementations of one protocol, which the layers use and nothing else:
 
 - :class:`SSEHybridCache`: batch-major, grows with the batch (``model.generate``);
-- :class:`SlotCache`: preallocated pools of ``max_slots`` rows that a rollout engine fills, forks and frees;
-  each forward works on the rows named by ``slots``, and linear layers update their rows in place.
+- :class:`SlotCache`: pools of ``max_slots`` rows that a rollout engine fills, forks and frees, with the
+  full-attention KV in blocks taken as sequences grow; each forward works on the rows named by ``slots``, and
+  linear layers update their rows in place.
 
 Protocol (``cache`` below is either):
     ``cache.query_index(T)``            [B|1, T] cache coordinate of each new token (for causal masking)
@@ -18,6 +19,7 @@ Protocol (``cache`` below is either):
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -139,27 +141,71 @@ def linear_state_shapes(config, kind: str) -> tuple[tuple[int, ...], tuple[int, 
     return recurrent, conv
 
 
-class SlotCache:
-    """Preallocated state pools for a rollout engine.
+class BlockAllocator:
+    """Fixed-size KV blocks for the full-attention layers of a :class:`SlotCache`: a free list and reference
+    counts, so samples forked from one prompt share its full blocks instead of copying them."""
 
-    Linear layers: ``[max_slots, ...state]`` in float32. Softmax layers: ``[max_slots, H_kv, max_len, D]``
-    keys and values in the model dtype (``max_len`` = the window for ``swa`` layers, which write
-    round-robin). ``lengths[s]`` is the number of tokens slot ``s`` holds. Set ``slots`` (a LongTensor of
-    rows) before each forward; padding rows may repeat a slot marked ``-1`` in ``lengths`` (graph buckets).
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self.free):
+            raise MemoryError(f"{count} KV blocks asked for, {len(self.free)} of {self.num_blocks} free")
+        blocks = [self.free.popleft() for _ in range(count)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+            elif self.refs[b] < 0:
+                raise RuntimeError(f"KV block {b} released more often than it was taken")
+
+
+class SlotCache:
+    """State pools for a rollout engine: per-slot linear states, paged KV for the full-attention layers.
+
+    Linear layers: ``[max_slots, ...state]`` in float32; window (``swa``) layers: a ``[max_slots, H_kv, window,
+    D]`` round-robin buffer per slot. Full-attention layers keep their keys and values in ``num_blocks`` blocks of
+    ``block_size`` tokens ``[num_blocks + 1, H_kv, block_size, D]`` (the last block is scratch: unused table
+    entries and the padding rows of graph buckets point there); ``tables[s]`` lists slot ``s``'s blocks in order.
+    Blocks are taken as a slot grows (:meth:`grow`), shared by forked samples (:meth:`fork`) and returned when the
+    slot is emptied (:meth:`reset`), so memory follows what the sequences hold, not ``max_len``.
+
+    Before each forward set ``slots`` (a LongTensor of rows) and ``view_blocks`` (how many table entries the
+    attention reads: at least the longest row's blocks; a graph captures one value); ``lengths[s]`` is the
+    number of tokens slot ``s`` holds.
     """
 
-    def __init__(self, config, max_slots: int, max_len: int, device, dtype, state_dtype=torch.float32):
-        self.config, self.max_slots, self.max_len = config, max_slots, max_len
+    def __init__(self, config, max_slots: int, max_len: int, device, dtype, state_dtype=torch.float32,
+                 num_blocks: int | None = None, block_size: int = 256):
+        self.config, self.max_slots, self.max_len, self.block_size = config, max_slots, max_len, block_size
+        self.max_blocks_per_slot = -(-max_len // block_size)
+        if num_blocks is None:  # every slot can reach max_len
+            num_blocks = max_slots * self.max_blocks_per_slot
         self.linear: dict[int, torch.Tensor] = {}
         self.conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.windows: dict[int, int | None] = {}
+        H, D = config.num_key_value_heads, config.attn_head_dim
         for i, kind in enumerate(config.mixer_types):
             if kind in ATTENTION_MIXERS:
                 window = config.sliding_window if kind == "swa" else None
-                length = min(max_len, window) if window else max_len
-                shape = (max_slots, config.num_key_value_heads, length, config.attn_head_dim)
+                shape = (max_slots, H, min(max_len, window), D) if window else (num_blocks + 1, H, block_size, D)
                 self.keys[i] = torch.zeros(shape, device=device, dtype=dtype)
                 self.values[i] = torch.zeros(shape, device=device, dtype=dtype)
                 self.windows[i] = window
@@ -168,43 +214,109 @@ class SlotCache:
                 self.linear[i] = torch.zeros((max_slots, *recurrent), device=device, dtype=state_dtype)
                 if conv is not None:
                     self.conv[i] = tuple(torch.zeros((max_slots, *conv), device=device, dtype=dtype) for _ in range(2))
+        self.paged = any(w is None for w in self.windows.values())
+        self.blocks = BlockAllocator(num_blocks if self.paged else 0)
+        self.scratch_block = num_blocks
+        self.slot_blocks: list[list[int]] = [[] for _ in range(max_slots)]
+        self.tables = torch.full((max_slots, self.max_blocks_per_slot), num_blocks, dtype=torch.long, device=device)
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
+        self.view_blocks = self.max_blocks_per_slot
 
     @staticmethod
     def bytes_per_slot(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32) -> int:
-        """Memory one slot needs: its linear states plus KV for ``max_len`` tokens."""
+        """Memory one sequence of ``max_len`` tokens needs: its linear states plus its KV."""
+        return SlotCache.state_bytes(config, max_len, dtype, state_dtype) + \
+            SlotCache.kv_bytes_per_token(config, dtype) * max_len
+
+    @staticmethod
+    def state_bytes(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32) -> int:
+        """What a slot holds whatever its length: linear states, short-convolution caches, window KV."""
         total = 0
         item = torch.tensor([], dtype=dtype).element_size()
         for kind in config.mixer_types:
-            if kind in ATTENTION_MIXERS:
-                length = min(max_len, config.sliding_window) if kind == "swa" else max_len
-                total += 2 * config.num_key_value_heads * length * config.attn_head_dim * item
-            else:
+            if kind == "swa":
+                total += 2 * config.num_key_value_heads * min(max_len, config.sliding_window) * config.attn_head_dim * item
+            elif kind not in ATTENTION_MIXERS:
                 recurrent, conv = linear_state_shapes(config, kind)
                 total += torch.Size(recurrent).numel() * torch.tensor([], dtype=state_dtype).element_size()
                 if conv is not None:
                     total += 2 * torch.Size(conv).numel() * item
         return total
 
+    @staticmethod
+    def kv_bytes_per_token(config, dtype=torch.bfloat16) -> int:
+        """Keys and values of one token in every full-attention layer."""
+        item = torch.tensor([], dtype=dtype).element_size()
+        layers = sum(kind in ATTENTION_MIXERS and kind != "swa" for kind in config.mixer_types)
+        return 2 * layers * config.num_key_value_heads * config.attn_head_dim * item
+
+    def blocks_for(self, length: int) -> int:
+        """Blocks a slot of ``length`` tokens holds (0 without full-attention layers)."""
+        return -(-length // self.block_size) if self.paged else 0
+
     # -- slot management ---------------------------------------------------------------------------
     def reset(self, slots: torch.Tensor) -> None:
-        """Empties ``slots`` (lengths to 0, states to zero)."""
+        """Empties ``slots``: lengths and states to zero, KV blocks returned."""
         for pool in self.linear.values():
             pool[slots] = 0
         for pair in self.conv.values():
             for pool in pair:
                 pool[slots] = 0
+        for s in slots.tolist():
+            self.blocks.release(self.slot_blocks[s])
+            self.slot_blocks[s] = []
+        self.tables[slots] = self.scratch_block
         self.lengths[slots] = 0
 
+    def grow(self, slots: list[int], lengths: list[int]) -> None:
+        """Gives each slot the blocks to hold ``lengths`` tokens; ``MemoryError`` (and nothing taken) if the free
+        blocks do not suffice."""
+        need = [max(0, self.blocks_for(n) - len(self.slot_blocks[s])) for s, n in zip(slots, lengths)]
+        if sum(need) > self.blocks.num_free:
+            raise MemoryError(f"{sum(need)} KV blocks needed, {self.blocks.num_free} free")
+        if max(lengths, default=0) > self.max_len:
+            raise ValueError(f"a slot cannot hold {max(lengths)} tokens; max_len is {self.max_len}")
+        rows, cols, new = [], [], []
+        for s, n in zip(slots, need):
+            if n:
+                taken = self.blocks.allocate(n)
+                first = len(self.slot_blocks[s])
+                self.slot_blocks[s] += taken
+                rows += [s] * n
+                cols += range(first, first + n)
+                new += taken
+        if new:
+            device = self.tables.device
+            self.tables[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = \
+                torch.tensor(new, device=device)
+
     def fork(self, source: int, targets: torch.Tensor) -> None:
-        """Copies slot ``source`` (states, KV prefix, length) into every slot of ``targets``."""
+        """Copies slot ``source`` (states, length) into every slot of ``targets``; its full KV blocks are shared,
+        a partly filled last block is copied (the samples write their own tokens into it)."""
         for pool in [*self.linear.values(), *(p for pair in self.conv.values() for p in pair)]:
             pool[targets] = pool[source].clone()
         length = int(self.lengths[source])
-        for pool in [*self.keys.values(), *self.values.values()]:
-            n = min(length, pool.shape[2])
-            pool[targets, :, :n] = pool[source, :, :n].clone()
+        for i, window in self.windows.items():
+            if window is not None:
+                for pool in (self.keys[i], self.values[i]):
+                    n = min(length, pool.shape[2])
+                    pool[targets, :, :n] = pool[source, :, :n].clone()
+        blocks = self.slot_blocks[source]
+        full = length // self.block_size if self.paged else 0
+        for t in targets.tolist():
+            if self.slot_blocks[t]:
+                raise RuntimeError(f"fork into slot {t}, which still holds KV blocks; reset it first")
+            self.blocks.share(blocks[:full])
+            self.slot_blocks[t] = list(blocks[:full])
+            self.grow([t], [length])
+            self.tables[t, :full] = self.tables[source, :full]
+            if len(blocks) > full:
+                own = self.slot_blocks[t][full]
+                for i, window in self.windows.items():
+                    if window is None:
+                        for pool in (self.keys[i], self.values[i]):
+                            pool[own] = pool[blocks[full]]
         self.lengths[targets] = length
 
     # -- protocol ----------------------------------------------------------------------------------
@@ -229,22 +341,29 @@ class SlotCache:
     def attend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
         """Stores the new keys/values of each row; returns what the new queries may attend to.
 
-        Full layers write at positions ``lengths .. lengths + T`` and attend to their rows' whole buffers.
-        Window layers keep a round-robin buffer of ``window`` entries: the queries see the buffer as it was
-        plus the new tokens, and only the last ``window`` new tokens are written back."""
+        Full layers write position ``p`` at offset ``p % block_size`` of block ``tables[slot, p // block_size]``
+        and read their rows' first ``view_blocks`` blocks. Window layers keep a round-robin buffer of ``window``
+        entries: the queries see the buffer as it was plus the new tokens, and only the last ``window`` new
+        tokens are written back."""
         B, _, T, _ = keys.shape
         pool_k, pool_v = self.keys[layer_idx], self.values[layer_idx]
-        capacity = pool_k.shape[2]
         start = self.lengths[self.slots][:, None]  # [B, 1]
         new_index = start + torch.arange(T, device=keys.device)[None]  # [B, T]
-        entries = torch.arange(capacity, device=keys.device)[None]
         new_k, new_v = keys.transpose(1, 2).to(pool_k.dtype), values.transpose(1, 2).to(pool_v.dtype)
         if self.windows[layer_idx] is None:
-            rows = self.slots[:, None].expand(B, T)
-            pool_k[rows, :, new_index] = new_k
-            pool_v[rows, :, new_index] = new_v
-            key_index = entries.expand(B, -1)
-            return pool_k[self.slots], pool_v[self.slots], key_index, key_index < start + T
+            bs = self.block_size
+            table = self.tables[self.slots]  # [B, max_blocks]
+            block = table.gather(1, (new_index // bs).clamp(max=table.shape[1] - 1))
+            pool_k[block, :, new_index % bs] = new_k
+            pool_v[block, :, new_index % bs] = new_v
+            view = table[:, :self.view_blocks]  # [B, nb]
+            H, D = pool_k.shape[1], pool_k.shape[3]
+            k = pool_k[view].transpose(1, 2).reshape(B, H, -1, D)
+            v = pool_v[view].transpose(1, 2).reshape(B, H, -1, D)
+            key_index = torch.arange(k.shape[2], device=keys.device)[None].expand(B, -1)
+            return k, v, key_index, key_index < start + T
+        capacity = pool_k.shape[2]
+        entries = torch.arange(capacity, device=keys.device)[None]
         old_index = start - 1 - ((start - 1 - entries) % capacity)  # latest position held by each entry
         keys_all = torch.cat([pool_k[self.slots], new_k.transpose(1, 2)], dim=2)
         values_all = torch.cat([pool_v[self.slots], new_v.transpose(1, 2)], dim=2)

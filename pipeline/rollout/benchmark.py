@@ -112,7 +112,10 @@ def main() -> None:
     B = args.prompts * args.samples
     slots = torch.arange(B, device="cuda")
     ids = torch.randint(100, 1000, (B,), device="cuda")
-    engine.cache.lengths[:B] = args.prompt_len + args.new_tokens // 2
+    context = args.prompt_len + args.new_tokens // 2
+    engine.cache.grow(list(range(B)), [context + 1] * B)  # the KV blocks the step reads and writes
+    engine.cache.lengths[:B] = context
+    engine.cache.view_blocks = engine.cache.blocks_for(context + 1)
     with torch.no_grad():
         for _ in range(3):
             engine._forward_decode(ids, slots)
@@ -123,7 +126,7 @@ def main() -> None:
             engine._forward_decode(ids, slots)
         torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    engine.cache.lengths[:B] = 0
+    engine.cache.reset(slots)
     bw = copy_bandwidth()
     cfg = model.config
     state_bytes = 0

@@ -1,15 +1,19 @@
 """The SSE-aware rollout engine: continuous batching over a pool of state slots.
 
-A request (prompt, :class:`SamplingParams` with ``n`` samples) waits until ``n`` slots are free, is prefilled
-once in chunks into its first slot (chunks interleave with the decode steps of running sequences), and its
-state is then forked into the other ``n - 1`` slots: a copy of every linear layer's fixed-size state and of
-the softmax layers' KV prefix. Each decode step advances every running sequence by one token in one
-forward pass over their slots; SSE layers read and write only the partitions each token selects. A
-finished sequence frees its slot at once and the next waiting request is admitted.
+A request (prompt, :class:`SamplingParams` with ``n`` samples) waits until ``n`` slots and the KV blocks of its
+prompt are free, is prefilled once in chunks into its first slot (chunks interleave with the decode steps of
+running sequences), and its state is then forked into the other ``n - 1`` slots: a copy of every linear layer's
+fixed-size state, while the softmax layers' full KV blocks are shared. Each decode step advances every running
+sequence by one token in one forward pass over their slots; SSE layers read and write only the partitions each
+token selects. A finished sequence frees its slot and blocks at once and the next waiting request is admitted.
 
-Memory is planned up front: a slot holds its linear states plus KV for ``max_model_len`` tokens, so a
-running sequence can always reach ``max_model_len`` and the engine queues rather than running out of
-memory mid-batch. On CUDA, decode steps replay CUDA graphs captured per batch-size bucket.
+Memory: a slot holds the linear states (fixed size); full-attention KV lives in blocks of ``block_size`` tokens
+taken as sequences grow (:class:`~sse_model.cache.SlotCache`), so short sequences leave room for more. When a
+decode step needs blocks that are not free, the most recently started sequences are preempted: their blocks are
+returned and they are later recomputed (prompt + tokens so far prefilled again) and continue exactly where they
+stopped (sampling is counter-based: a token depends on the seed and its position only). On CUDA, decode steps
+replay CUDA graphs captured per (batch-size bucket, KV-blocks bucket), powers of two, so a long generation
+captures a few graphs, not one per length.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class RequestOutput:
     finished: bool = True
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queues find and remove this very sequence
 class _Sequence:
     request: "_Request"
     index: int
@@ -59,9 +63,20 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prefilled: int = 0  # tokens recomputed so far after a preemption
+    stamp: int = 0  # admission order: the newest is preempted first
+
+    @property
+    def cached(self) -> list[int]:
+        """What the slot holds before the next decode step: the prompt and every token but the last sampled."""
+        return self.request.prompt_ids + self.token_ids[:-1]
+
+    @property
+    def cached_length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.token_ids) - 1
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     id: str
     prompt: str | None
@@ -71,6 +86,8 @@ class _Request:
     slots: list[int] = field(default_factory=list)
     prefilled: int = 0
     seqs: list[_Sequence] = field(default_factory=list)
+    stamp: int = 0  # admission order
+    promised: int = 0  # free blocks promised to its forks
 
 
 @dataclass
@@ -82,6 +99,7 @@ class EngineStats:
     prefill_seconds: float = 0.0
     occupied_slot_steps: int = 0
     finished_requests: int = 0
+    preemptions: int = 0
 
     def as_dict(self, max_slots: int) -> dict:
         busy = self.decode_seconds + self.prefill_seconds
@@ -94,7 +112,11 @@ class EngineStats:
             "prefill_tokens_per_s": self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
             "mean_slot_occupancy": self.occupied_slot_steps / (self.decode_steps * max_slots) if self.decode_steps else 0.0,
             "finished_requests": self.finished_requests,
+            "preemptions": self.preemptions,
         }
+
+
+DEFAULT_MAX_SLOTS = 256  # GRPO's 32 prompts x 8 samples in one batch
 
 
 def default_memory_budget(device: torch.device) -> int:
@@ -108,8 +130,11 @@ def default_memory_budget(device: torch.device) -> int:
 class Engine:
     """``Engine(model or path, ...)``; ``generate(prompts, SamplingParams(...))`` like vLLM's ``LLM``.
 
-    ``memory_budget`` (bytes) sizes the slot pool when ``max_slots`` is not given. ``prefill_chunk_size``
-    is the number of prompt tokens prefilled per engine step."""
+    ``memory_budget`` (bytes) holds ``max_slots`` slots (default: up to 256, as many as the budget holds for
+    sequences a quarter of ``max_model_len`` long, besides one of full length) and, in the rest, the KV blocks
+    of ``block_size`` tokens.
+    ``num_blocks`` overrides what the budget holds. ``prefill_chunk_size`` is the number of prompt tokens
+    prefilled per engine step."""
 
     def __init__(
         self,
@@ -122,6 +147,8 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         prefill_chunk_size: int = 512,
+        block_size: int = 256,
+        num_blocks: int | None = None,
         use_cuda_graphs: bool | None = None,
         seed: int = 0,
     ):
@@ -142,20 +169,19 @@ class Engine:
         self.device, self.dtype = device, next(self.model.parameters()).dtype
         self.max_model_len = max_model_len
         self.prefill_chunk_size = prefill_chunk_size
+        self.block_size = block_size
         self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype)
         self.memory_budget = memory_budget if memory_budget is not None else default_memory_budget(device)
-        if max_slots is None:
-            max_slots = self.memory_budget // self.per_slot_bytes
-            if max_slots < 1:
-                raise ValueError(f"memory_budget {self.memory_budget} B is below one slot ({self.per_slot_bytes} B "
-                                 f"at max_model_len={max_model_len})")
-        self.max_slots = int(max_slots)
+        self.max_slots, self.num_blocks = self._plan_memory(max_slots, num_blocks)
         self.scratch_slot = self.max_slots  # padding rows of graph buckets write here
-        self.cache = SlotCache(self.config, self.max_slots + 1, max_model_len, device, self.dtype)
+        self.cache = self._new_cache()
         self.free_slots: deque[int] = deque(range(self.max_slots))
         self.waiting: deque[_Request] = deque()
-        self.prefilling: deque[_Request] = deque()
+        self.resuming: deque[_Sequence] = deque()  # preempted sequences, recomputed before new requests start
+        self.prefilling: deque[_Request | _Sequence] = deque()
         self.running: list[_Sequence] = []
+        self.promised_blocks = 0  # free blocks promised to the forks of requests being prefilled
+        self._admissions = 0
         self.stats = EngineStats()
         self.weights_version = 0
         self._rng = random.Random(seed)
@@ -165,14 +191,44 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}
+
+    def _plan_memory(self, max_slots: int | None, num_blocks: int | None) -> tuple[int, int]:
+        """``(max_slots, num_blocks)`` within the memory budget (``num_blocks`` given: as given); one sequence of
+        ``max_model_len`` always fits."""
+        state = SlotCache.state_bytes(self.config, self.max_model_len, self.dtype)
+        per_block = SlotCache.kv_bytes_per_token(self.config, self.dtype) * self.block_size
+        one_sequence = per_block * -(-self.max_model_len // self.block_size)
+        if max_slots is None:  # planned for sequences a quarter of max_model_len long on average
+            planned = state + per_block * -(-max(self.block_size, self.max_model_len // 4) // self.block_size)
+            max_slots = min(DEFAULT_MAX_SLOTS, (self.memory_budget - one_sequence) // planned)
+        if num_blocks is None:
+            num_blocks = (self.memory_budget - (max_slots + 1) * state) // per_block if per_block else 0
+            num_blocks = min(num_blocks, max_slots * -(-self.max_model_len // self.block_size))  # more never fill
+        num_blocks = num_blocks if per_block else 0
+        if max_slots < 1 or num_blocks * per_block < one_sequence:
+            raise ValueError(f"memory_budget {self.memory_budget} B is below one sequence of max_model_len="
+                             f"{self.max_model_len} tokens ({state + one_sequence} B; max_slots={max_slots} slots "
+                             f"of {state} B each)")
+        return int(max_slots), int(num_blocks)
+
+    def _new_cache(self) -> SlotCache:
+        return SlotCache(self.config, self.max_slots + 1, self.max_model_len, self.device, self.dtype,
+                         num_blocks=self.num_blocks, block_size=self.block_size)
 
     # ---------------------------------------------------------------------------------------------
     # requests
     def capacity(self, seq_len: int | None = None) -> int:
-        """How many sequences of ``seq_len`` tokens fit in the memory budget (default: max_model_len)."""
-        per = SlotCache.bytes_per_slot(self.config, seq_len or self.max_model_len, self.dtype)
-        return int(self.memory_budget // per)
+        """How many sequences of ``seq_len`` tokens (default: max_model_len) can run at once."""
+        blocks = self._blocks_for(seq_len or self.max_model_len)
+        return min(self.max_slots, self.num_blocks // blocks) if blocks else self.max_slots
+
+    def _blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size) if self.num_blocks else 0
+
+    def _blocks_to_admit(self, prompt_len: int, n: int) -> int:
+        """The prompt's blocks plus a copy of its partly filled last block for each other sample."""
+        return self._blocks_for(prompt_len) + (n - 1) * int(self.num_blocks > 0 and prompt_len % self.block_size > 0)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
         """Queues one request; bad requests raise ``ValueError`` here and leave everything else untouched."""
@@ -195,6 +251,10 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.n > self.max_slots:
             raise ValueError(f"n={params.n} exceeds the engine's {self.max_slots} slots")
+        if self._blocks_to_admit(len(prompt_ids), params.n) > self.num_blocks:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens, n={params.n}) needs "
+                             f"{self._blocks_to_admit(len(prompt_ids), params.n)} KV blocks of {self.block_size} "
+                             f"tokens; the engine has {self.num_blocks} (raise memory_budget or lower n)")
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
@@ -202,7 +262,7 @@ class Engine:
         return request_id
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.resuming or self.prefilling or self.running)
 
     # ---------------------------------------------------------------------------------------------
     # the loop
@@ -217,7 +277,7 @@ class Engine:
 
     def wake_up(self) -> None:
         if self.cache is None:
-            self.cache = SlotCache(self.config, self.max_slots + 1, self.max_model_len, self.device, self.dtype)
+            self.cache = self._new_cache()
 
     def step(self) -> list[RequestOutput]:
         """One decode step for running sequences, then admission and up to ``prefill_chunk_size`` prompt
@@ -227,16 +287,66 @@ class Engine:
         if self.running:
             finished += self._decode()
         self._admit()
+        if not (self.running or self.prefilling or finished) and (self.waiting or self.resuming):
+            raise RuntimeError(f"the engine is idle but cannot admit what waits ({len(self.waiting)} requests, "
+                               f"{len(self.resuming)} preempted sequences; {len(self.free_slots)} free slots, "
+                               f"{self._free_blocks()} of {self.num_blocks} KV blocks free)")
         if self.prefilling:
             finished += self._prefill()
         return finished
 
+    def _free_blocks(self) -> int:
+        return self.cache.blocks.num_free - self.promised_blocks
+
     def _admit(self) -> None:
-        while self.waiting and len(self.free_slots) >= self.waiting[0].params.n:
-            request = self.waiting.popleft()
-            request.slots = [self.free_slots.popleft() for _ in range(request.params.n)]
-            self.cache.reset(torch.tensor(request.slots, device=self.device))
+        """Preempted sequences first, then waiting requests in order, while slots and KV blocks are free (beside
+        running sequences, a new request also leaves a block of room for each of its samples to grow into)."""
+        while self.resuming and self.free_slots and \
+                self._blocks_for(self.resuming[0].cached_length + 1) <= self._free_blocks():
+            seq = self.resuming.popleft()
+            seq.slot, seq.prefilled, seq.stamp = self.free_slots.popleft(), 0, self._stamp()
+            self.cache.grow([seq.slot], [seq.cached_length])
+            self.prefilling.append(seq)
+        while not self.resuming and self.waiting and len(self.free_slots) >= self.waiting[0].params.n:
+            request = self.waiting[0]
+            prompt_len, n = len(request.prompt_ids), request.params.n
+            need = self._blocks_to_admit(prompt_len, n)
+            busy = bool(self.running or self.prefilling)  # an idle engine admits whatever fits
+            if need + (n if self.num_blocks and busy else 0) > self._free_blocks():
+                break
+            self.waiting.popleft()
+            request.slots = [self.free_slots.popleft() for _ in range(n)]
+            request.stamp, request.prefilled = self._stamp(), 0
+            self.cache.grow(request.slots[:1], [prompt_len])
+            request.promised = need - self._blocks_for(prompt_len)
+            self.promised_blocks += request.promised
             self.prefilling.append(request)
+
+    def _stamp(self) -> int:
+        self._admissions += 1
+        return self._admissions
+
+    def _release(self, slot: int) -> None:
+        self.cache.reset(torch.tensor([slot], device=self.device))
+        self.free_slots.append(slot)
+
+    def _preempt_newest(self) -> None:
+        """Returns the slots and blocks of the most recently admitted sequence or prefill: it starts again when
+        there is room. The oldest sequence is never the newest, so it always progresses."""
+        job = max([*self.running, *self.prefilling], key=lambda j: j.stamp)
+        if isinstance(job, _Request):
+            self.prefilling.remove(job)
+            for slot in job.slots:
+                self._release(slot)
+            job.slots = []
+            self.promised_blocks -= job.promised
+            self.waiting.appendleft(job)
+        else:
+            (self.running if job in self.running else self.prefilling).remove(job)
+            self._release(job.slot)
+            job.slot = -1
+            self.resuming.appendleft(job)
+        self.stats.preemptions += 1
 
     @torch.no_grad()
     def _prefill(self) -> list[RequestOutput]:
@@ -244,21 +354,30 @@ class Engine:
         budget = self.prefill_chunk_size
         finished = []
         while self.prefilling and budget > 0:
-            request = self.prefilling[0]
-            chunk = request.prompt_ids[request.prefilled:request.prefilled + budget]
-            self.cache.slots = torch.tensor(request.slots[:1], device=self.device)
+            job = self.prefilling[0]
+            resumed = isinstance(job, _Sequence)
+            tokens, slot = (job.cached, job.slot) if resumed else (job.prompt_ids, job.slots[0])
+            chunk = tokens[job.prefilled:job.prefilled + budget]
+            self.cache.slots = torch.tensor([slot], device=self.device)
+            self.cache.view_blocks = self.cache.blocks_for(job.prefilled + len(chunk))
             ids = torch.tensor([chunk], device=self.device)
             logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-            request.prefilled += len(chunk)
+            job.prefilled += len(chunk)
             budget -= len(chunk)
             self.stats.prefill_tokens += len(chunk)
-            if request.prefilled < len(request.prompt_ids):
+            if job.prefilled < len(tokens):
                 continue
             self.prefilling.popleft()
+            if resumed:  # it continues from its last sampled token at the next decode step
+                self.running.append(job)
+                continue
+            request = job
+            self.promised_blocks -= request.promised
             if len(request.slots) > 1:
                 self.cache.fork(request.slots[0], torch.tensor(request.slots[1:], device=self.device))
             base = request.params.seed if request.params.seed is not None else self._rng.getrandbits(62)
-            request.seqs = [_Sequence(request, i, slot, base + i) for i, slot in enumerate(request.slots)]
+            request.seqs = [_Sequence(request, i, slot, base + i, stamp=request.stamp)
+                            for i, slot in enumerate(request.slots)]
             tokens, logprobs = self._sample(logits[:, -1].expand(len(request.seqs), -1), request.seqs)
             for seq, token, logprob in zip(request.seqs, tokens, logprobs):
                 self._append(seq, token, logprob)
@@ -268,11 +387,28 @@ class Engine:
         self.stats.prefill_seconds += time.perf_counter() - start
         return finished
 
+    def _grow_running(self) -> None:
+        """Every running sequence gets the blocks its next token needs; while they are short, the newest sequence
+        or prefill is preempted."""
+        while self.running:
+            lengths = [s.cached_length + 1 for s in self.running]
+            slots = [s.slot for s in self.running]
+            need = sum(max(0, self.cache.blocks_for(n) - len(self.cache.slot_blocks[s])) for s, n in zip(slots, lengths))
+            if need <= self._free_blocks():
+                self.cache.grow(slots, lengths)
+                longest = self.cache.blocks_for(max(lengths))
+                self.cache.view_blocks = min(_power_of_two(longest), self.cache.max_blocks_per_slot)
+                return
+            self._preempt_newest()
+
     @torch.no_grad()
     def _decode(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        self._grow_running()
         seqs = self.running
         B = len(seqs)
+        if not B:
+            return []
         ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         logits = self._forward_decode(ids, slots)
@@ -330,7 +466,7 @@ class Engine:
         done, seen = [], set()
         for seq in seqs:
             if seq.finish_reason is not None and seq.slot >= 0:
-                self.free_slots.append(seq.slot)
+                self._release(seq.slot)
                 seq.slot = -1
                 request = seq.request
                 if request.id not in seen and all(s.finish_reason is not None for s in request.seqs):
@@ -356,18 +492,12 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------
     # CUDA graphs: one per batch-size bucket; padding rows decode into the scratch slot
-    def _bucket(self, B: int) -> int:
-        size = 1
-        while size < B:
-            size *= 2
-        return min(size, self.max_slots)
-
     def _graph_decode(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         B = ids.shape[0]
-        size = self._bucket(B)
-        if size not in self._graphs:
-            self._capture(size)
-        graph, static_ids, static_slots, static_logits = self._graphs[size]
+        key = (min(_power_of_two(B), self.max_slots), self.cache.view_blocks)
+        if key not in self._graphs:
+            self._capture(*key)
+        graph, static_ids, static_slots, static_logits = self._graphs[key]
         static_ids.fill_(0)
         static_ids[:B] = ids
         static_slots.fill_(self.scratch_slot)
@@ -376,7 +506,7 @@ class Engine:
         graph.replay()
         return static_logits[:B]
 
-    def _capture(self, size: int) -> None:
+    def _capture(self, size: int, view_blocks: int) -> None:
         static_ids = torch.zeros(size, dtype=torch.long, device=self.device)
         static_slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=self.device)
         lengths = self.cache.lengths.clone()
@@ -398,7 +528,7 @@ class Engine:
         with torch.cuda.graph(graph):
             static_logits = run()
         self.cache.lengths.copy_(lengths)
-        self._graphs[size] = (graph, static_ids, static_slots, static_logits)
+        self._graphs[(size, view_blocks)] = (graph, static_ids, static_slots, static_logits)
 
     # ---------------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -450,5 +580,14 @@ class Engine:
         stats = self.stats.as_dict(self.max_slots)
         stats.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), max_slots=self.max_slots,
                      per_slot_bytes=self.per_slot_bytes, weights_version=self.weights_version,
-                     running=len(self.running), waiting=len(self.waiting) + len(self.prefilling))
+                     running=len(self.running), waiting=len(self.waiting) + len(self.prefilling) + len(self.resuming),
+                     block_size=self.block_size, num_blocks=self.num_blocks,
+                     free_blocks=self.cache.blocks.num_free if self.cache is not None else self.num_blocks)
         return stats
+
+
+def _power_of_two(n: int) -> int:
+    size = 1
+    while size < n:
+        size *= 2
+    return size
