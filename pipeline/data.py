@@ -80,19 +80,24 @@ def _subsample(records: list[dict], spec: DataSpec) -> list[dict]:
 
 
 def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
-    """A ``messages`` dataset (user problem + instruction, assistant solution). Records that already hold
-    ``messages`` are used as they are."""
+    """A conversational prompt-completion dataset: ``prompt`` (user problem + instruction) and ``completion``
+    (the assistant's solution), so the loss covers the completion whatever the tokenizer's chat template (TRL's
+    assistant-only loss needs ``{% generation %}`` markers that real templates lack). Records that hold
+    ``messages`` are split before their last message, which must be the assistant's."""
     records = _subsample(_load_records(spec), spec)
     rows = []
     for i, record in enumerate(records):
         key = spec.fields.get("messages", "messages")
         if key in record:
-            rows.append({"messages": record[key]})
+            messages = record[key]
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError(f"data source {spec.source!r}, record {i}: {key!r} must end with an assistant message")
+            rows.append({"prompt": messages[:-1], "completion": messages[-1:]})
             continue
         problem = _field(record, spec, "problem", i)
         solution = _field(record, spec, "solution", i)
-        rows.append({"messages": [user_message(str(problem), instruction),
-                                  {"role": "assistant", "content": str(solution)}]})
+        rows.append({"prompt": [user_message(str(problem), instruction)],
+                     "completion": [{"role": "assistant", "content": str(solution)}]})
     if not rows:
         raise ValueError(f"data source {spec.source!r} is empty")
     return Dataset.from_list(rows)
@@ -105,7 +110,8 @@ def drop_overlong(dataset: Dataset, tokenizer, max_length: int) -> tuple[Dataset
     record in a padding-free batch would otherwise reach the model whole (one 300 KB record took a worker past
     9 GB). Dropped in every mode, and counted."""
     def length(batch):
-        texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
+        texts = [tokenizer.apply_chat_template(p + c, tokenize=False)
+                 for p, c in zip(batch["prompt"], batch["completion"])]
         return {"num_tokens": [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]}
 
     sized = dataset.map(length, batched=True, desc="measuring lengths")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from .known_models import resolve
 from .recipe import ModelSpec
 from .tokenizer import build_char_tokenizer
 
@@ -28,7 +29,11 @@ def load_tokenizer(name: str | None, fallback: str | Path | None = None):
     source = name or fallback
     if source is None:
         raise ValueError("model.tokenizer is needed to build a model from a preset (a path, hub name, or 'char')")
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    source = resolve(str(source))
+    if source.endswith(".gguf"):  # the tokenizer travels inside the GGUF file
+        tokenizer = AutoTokenizer.from_pretrained(Path(source).parent, gguf_file=Path(source).name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -43,12 +48,13 @@ def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int 
     from sse_model.convert import convert_to_sse
 
     dtype = dtype or DTYPES[spec.dtype]
-    path = checkpoint or spec.path
+    path = checkpoint or (resolve(spec.path) if spec.path else None)
     if path is not None:
         return load_pretrained(path, dtype), load_tokenizer(spec.tokenizer if checkpoint is None else None, path)
     if spec.convert_from is not None:
-        model = convert_to_sse(spec.convert_from, torch_dtype=dtype, **spec.config_overrides)
-        return model, load_tokenizer(spec.tokenizer, spec.convert_from)
+        source = resolve(spec.convert_from)
+        model = convert_to_sse(load_pretrained(source, dtype), **spec.config_overrides)
+        return model, load_tokenizer(spec.tokenizer, source)
     tokenizer = load_tokenizer(spec.tokenizer)
     config = SSEConfig.from_preset(spec.preset, **{
         "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,

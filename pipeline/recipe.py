@@ -56,7 +56,8 @@ def _schedulers() -> tuple[str, ...]:
 @dataclass
 class ModelSpec:
     """Where the starting model comes from: a checkpoint ``path`` (local or hub), a ``preset`` of
-    ``SSEConfig`` built with random weights, or ``convert_from`` a Llama/Qwen2 checkpoint."""
+    ``SSEConfig`` built with random weights, or ``convert_from`` a Llama/Qwen2 checkpoint. ``path`` and
+    ``convert_from`` also take a ``.gguf`` file or a known model's name (``sse-pipeline models list``)."""
 
     path: str | None = None
     preset: str | None = None

@@ -28,6 +28,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, require_
     from .modeling_sse import SSEForCausalLM
 
     local = Path(path)
+    if local.suffix == ".gguf":
+        return _load_gguf(local, dtype, require_sse)
     looks_local = local.is_absolute() or str(path).startswith(".") or local.exists() or str(path).count("/") != 1
     if looks_local:
         if not local.exists():
@@ -57,3 +59,24 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, require_
     if require_sse and not isinstance(model, SSEForCausalLM):
         raise CheckpointError(f"{path}: a {model.config.model_type!r} model; an SSE model is needed here")
     return model
+
+
+def _load_gguf(file: Path, dtype: torch.dtype | None, require_sse: bool):
+    """A GGUF file (llama.cpp's format: one file with the weights, possibly quantised, and the tokenizer) through
+    transformers' GGUF support, dequantised to ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such GGUF file")
+    if require_sse:
+        raise CheckpointError(f"{file}: a GGUF file holds a Transformer; an SSE model is needed here (convert it with "
+                              "model.convert_from in a recipe)")
+    try:
+        import gguf  # noqa: F401
+    except ImportError as err:
+        raise CheckpointError(f"{file}: loading GGUF files needs the gguf package (pip install gguf)") from err
+    try:
+        return AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype or torch.float32)
+    except Exception as err:  # noqa: BLE001 - name the file
+        raise CheckpointError(f"{file}: does not load as a GGUF model ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200] if str(err) else ''})") from err

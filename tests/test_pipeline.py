@@ -262,7 +262,7 @@ def test_overlong_distillation_records_are_dropped_and_counted(caplog):
     from pipeline.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    rows = [{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": text}]}
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "completion": [{"role": "assistant", "content": text}]}
             for text in ("2", "x" * 300_000, "the answer is 2")]
     with caplog.at_level("WARNING"):
         kept, dropped = drop_overlong(Dataset.from_list(rows), tokenizer, max_length=512)

@@ -54,7 +54,7 @@ def test_builtin_sources_build_datasets_and_name_bad_parameters():
     sft = sft_dataset(spec)
     prompts = prompt_dataset(spec)
     assert len(sft) == len(prompts) == 12
-    assert sft[0]["messages"][1]["content"].endswith(f"\\boxed{{{prompts[0]['answer']}}}")
+    assert sft[0]["completion"][0]["content"].endswith(f"\\boxed{{{prompts[0]['answer']}}}")
     for source, message in [("builtin:word_problems?stepz=2", "unknown parameter 'stepz'"),
                             ("builtin:word_problems?steps=two", "steps='two' is not a valid int"),
                             ("builtin:word_problems?steps=3&max_steps=1", "max_steps"),

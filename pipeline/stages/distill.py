@@ -35,7 +35,7 @@ def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
         max_length=cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (see drop_overlong)
         packing=cfg.packing,
         padding_free=True,
-        assistant_only_loss=True,
+        completion_only_loss=True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
     )
 
 

