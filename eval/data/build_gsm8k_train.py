@@ -1,0 +1,32 @@
+"""Builds ``gsm8k_train.jsonl``: GSM8K train (openai/grade-school-math, MIT) with each worked solution rewritten
+for distillation: the calculator annotations ``<<a=b>>`` removed and the closing ``#### N`` turned into
+``The answer is \\boxed{N}.`` (the answer format the rewards and evaluation score).
+
+    python eval/data/build_gsm8k_train.py SOURCE.jsonl eval/data/gsm8k_train.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+ANNOTATION = re.compile(r"<<[^>]*>>")
+CLOSING = re.compile(r"\n?####\s*(.+?)\s*$")
+
+
+def rewrite(solution: str, answer: str) -> str:
+    body = CLOSING.sub("", ANNOTATION.sub("", solution)).rstrip()
+    return f"{body}\nThe answer is \\boxed{{{answer}}}."
+
+
+def main(source: str, target: str) -> None:
+    with open(source) as f, open(target, "w") as out:
+        for line in f:
+            record = json.loads(line)
+            record["solution"] = rewrite(record["solution"], record["answer"])
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
