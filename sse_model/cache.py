@@ -269,12 +269,12 @@ class SlotCache:
         self.tables[slots] = self.scratch_block
         self.lengths[slots] = 0
 
-    def grow(self, slots: list[int], lengths: list[int]) -> None:
-        """Gives each slot the blocks to hold ``lengths`` tokens; ``MemoryError`` (and nothing taken) if the free
-        blocks do not suffice."""
+    def grow(self, slots: list[int], lengths: list[int], keep_free: int = 0) -> None:
+        """Gives each slot the blocks to hold ``lengths`` tokens; ``MemoryError`` (and nothing taken) if that would
+        leave fewer than ``keep_free`` blocks free."""
         need = [max(0, self.blocks_for(n) - len(self.slot_blocks[s])) for s, n in zip(slots, lengths)]
-        if sum(need) > self.blocks.num_free:
-            raise MemoryError(f"{sum(need)} KV blocks needed, {self.blocks.num_free} free")
+        if sum(need) > self.blocks.num_free - keep_free:
+            raise MemoryError(f"{sum(need)} KV blocks needed, {self.blocks.num_free} free, {keep_free} kept free")
         if max(lengths, default=0) > self.max_len:
             raise ValueError(f"a slot cannot hold {max(lengths)} tokens; max_len is {self.max_len}")
         rows, cols, new = [], [], []

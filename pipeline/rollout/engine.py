@@ -359,7 +359,7 @@ class Engine:
             tokens, slot = (job.cached, job.slot) if resumed else (job.prompt_ids, job.slots[0])
             chunk = tokens[job.prefilled:job.prefilled + budget]
             self.cache.slots = torch.tensor([slot], device=self.device)
-            self.cache.view_blocks = self.cache.blocks_for(job.prefilled + len(chunk))
+            self.cache.view_blocks = self._blocks_for(job.prefilled + len(chunk))
             ids = torch.tensor([chunk], device=self.device)
             logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
             job.prefilled += len(chunk)
@@ -392,14 +392,14 @@ class Engine:
         or prefill is preempted."""
         while self.running:
             lengths = [s.cached_length + 1 for s in self.running]
-            slots = [s.slot for s in self.running]
-            need = sum(max(0, self.cache.blocks_for(n) - len(self.cache.slot_blocks[s])) for s, n in zip(slots, lengths))
-            if need <= self._free_blocks():
-                self.cache.grow(slots, lengths)
-                longest = self.cache.blocks_for(max(lengths))
-                self.cache.view_blocks = min(_power_of_two(longest), self.cache.max_blocks_per_slot)
-                return
-            self._preempt_newest()
+            try:
+                self.cache.grow([s.slot for s in self.running], lengths, keep_free=self.promised_blocks)
+            except MemoryError:
+                self._preempt_newest()
+                continue
+            longest = self._blocks_for(max(lengths))
+            self.cache.view_blocks = min(_power_of_two(longest), self.cache.max_blocks_per_slot)
+            return
 
     @torch.no_grad()
     def _decode(self) -> list[RequestOutput]:
