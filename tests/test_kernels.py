@@ -133,13 +133,15 @@ def _sse_grads(fn, leaves, state, seed=1):
     return o, s, grads
 
 
-CHUNK_CASES = [  # N, Kw, Kr, write gate, read gate, sequence lengths, SAFE (0: every chunk elementwise)
-    (4, 1, 1, True, True, [5, 35, 1, 49], 86.0),
-    (4, 1, 1, True, True, [5, 35, 1, 49], 0.0),
-    (4, 2, 2, True, True, [37, 33], 86.0),
-    (3, 1, 3, False, True, [50], 86.0),  # read-only pairs (write mask 0), write gate off
-    (4, 4, 4, True, False, [20, 13], 86.0),  # K = N
-    (8, 1, 1, True, True, [3, 9], 86.0),  # partitions that receive no token
+CHUNK_CASES = [  # N, Kw, Kr, write gate, read gate, sequence lengths, SAFE (0: every chunk elementwise), key dim
+    (4, 1, 1, True, True, [5, 35, 1, 49], 86.0, 16),
+    (4, 1, 1, True, True, [5, 35, 1, 49], 0.0, 16),
+    (4, 2, 2, True, True, [37, 33], 86.0, 16),
+    (3, 1, 3, False, True, [50], 86.0, 16),  # read-only pairs (write mask 0), write gate off
+    (4, 4, 4, True, False, [20, 13], 86.0, 16),  # K = N
+    (8, 1, 1, True, True, [3, 9], 86.0, 16),  # partitions that receive no token
+    (4, 1, 1, True, True, [21, 30], 86.0, 80),  # key dims that are no multiple of the kernels' key tiles
+    (4, 2, 2, True, True, [21, 30], 86.0, 144),
 ]
 
 
@@ -151,8 +153,8 @@ def test_sse_chunk_kernels_match_reference(case):
     from sse_model.ops.dispatch import torch_linear_op
     from sse_model.ops.sse import sse_varlen
 
-    N, Kw, Kr, wg, rg, lengths, safe = case
-    H, K, V = 2, 16, 32
+    N, Kw, Kr, wg, rg, lengths, safe, K = case
+    H, V = 2, 32
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     sides = [branch(T, H, K, "gla", torch.float32) for _ in range(2)]
@@ -184,11 +186,14 @@ def test_sse_chunk_kernels_match_reference(case):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
-def test_gla_chunk_kernel_matches_reference():
+@pytest.mark.parametrize("K", [16, 80, 144])
+def test_gla_chunk_kernel_matches_reference(K):
+    """Outputs, final states and gradients against float64; a forward without gradients gives the same
+    output and state as one that keeps the chunk states for the backward."""
     from kernels.sse_chunk import chunk_gla_triton
     from sse_model.ops.gla import recurrent_gla
 
-    lengths, H, K, V = [21, 1, 40], 2, 16, 32
+    lengths, H, V = [21, 1, 40], 2, 32
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     b = branch(T, H, K, "gla", torch.float32)
@@ -204,7 +209,11 @@ def test_gla_chunk_kernel_matches_reference():
         else:
             fn = lambda: recurrent_gla(*leaves, initial_state=state, output_final_state=True, cu_seqlens=cu)  # noqa: E731
         results.append(_sse_grads(fn, leaves, state))
+        if dtype == torch.float32:
+            with torch.no_grad():
+                o_plain, s_plain = fn()
     (o, s, g), (o_ref, s_ref, g_ref) = results
+    assert torch.equal(o_plain, o.detach()) and torch.equal(s_plain, s.detach())
     assert_close(o.cpu(), o_ref, torch.float32, "output")
     assert_close(s.cpu(), s_ref, torch.float32, "final state")
     for name, a, c in zip(["q", "k", "v", "g", "state"], g, g_ref):

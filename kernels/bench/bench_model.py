@@ -6,12 +6,17 @@ checkpointing (float32 master weights), on dense rows of ``B x T`` tokens. Print
 step's time (compilation included; models run in the order given, so kernels shared with an earlier model
 are already compiled), and peak memory.
 
-    python -m kernels.bench.bench_model [--shapes 8x4096 2x16384] [--models transformer gla-h sse-h] [--profile]
+    python -m kernels.bench.bench_model [--shapes 8x4096 2x16384] [--models transformer gla-h sse-h]
+        [--profile sse-h ...] [--no-checkpointing]
+
+``--profile`` prints, per model named, one step's wall time against GPU busy time, GPU time by category
+(chunk kernels, attention, matmuls, fused norms, routing, everything elementwise) and the top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -29,10 +34,60 @@ def model_config(kind: str) -> SSEConfig:
                      num_heads=HEADS, head_dim=128, num_attention_heads=HEADS, max_position_embeddings=65536)
 
 
-def measure(kind: str, B: int, T: int, steps: int, profile: bool = False) -> dict:
+CATEGORIES = [  # (category, pattern of kernel names), first match wins
+    ("sse chunk", r"^_(fwd_h|fwd_o|bwd_dh|bwd_dv|bwd_dqkg)$"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("matmul", r"gemm|cutlass|nvjet|sm90_|cublas|splitK"),
+    ("fused norm/features", r"^_(rms|gated|norm|sse_feat|feat)"),
+    ("routing/plan", r"route|topk|sort|scan|searchsorted|cumsum|bincount|histc|index|scatter|gather"),
+    ("cross-entropy/softmax", r"softmax|log_softmax|nll|cross"),
+    ("elementwise/other", r""),
+]
+
+
+def print_profile(label: str, step) -> None:
+    """Where one step's time goes: wall time against GPU busy time (kernels, overlaps merged), GPU time by
+    category and the top kernels, and the host synchronisations the step makes."""
+    from torch.autograd import DeviceType
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += (e.time_range.end - e.time_range.start) / 1e3
+        entry[1] += 1
+    by_cat: dict[str, float] = {}
+    for name, (ms, _) in by_name.items():
+        cat = next(c for c, pat in CATEGORIES if re.search(pat, name, re.IGNORECASE))
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
+    syncs = sum(e.count for e in prof.key_averages() if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    gpu = sum(ms for ms, _ in by_name.values())
+    print(f"\n#### {label}: wall {wall:.1f} ms (profiled), GPU busy {busy / 1e3:.1f} ms, kernel time {gpu:.1f} ms, "
+          f"{len(kernels)} kernels, {syncs} host synchronisations\n")
+    print("| category | ms | share |\n|---|---|---|")
+    for cat, ms in sorted(by_cat.items(), key=lambda x: -x[1]):
+        print(f"| {cat} | {ms:.1f} | {ms / gpu:.0%} |")
+    print("\n| kernel | ms | launches |\n|---|---|---|")
+    for name, (ms, n) in sorted(by_name.items(), key=lambda x: -x[1][0])[:25]:
+        print(f"| {name[:90]} | {ms:.1f} | {n} |")
+
+
+def measure(kind: str, B: int, T: int, steps: int, profile: bool = False, checkpointing: bool = True) -> dict:
     torch.manual_seed(0)
     model = SSEForCausalLM(model_config(kind)).cuda().train()
-    model.gradient_checkpointing_enable()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (B, T), device="cuda")
 
@@ -57,11 +112,7 @@ def measure(kind: str, B: int, T: int, steps: int, profile: bool = False) -> dic
     elapsed = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30
     if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        print(f"\n{kind} {B}x{T}: top CUDA kernels of one step")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+        print_profile(f"{kind} {B}x{T}", step)
     del model
     torch.cuda.empty_cache()
     return dict(params=params, tokens_per_s=B * T / elapsed, step_s=elapsed, first_s=first, peak_gib=peak)
@@ -72,7 +123,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["8x4096", "2x16384"])
     parser.add_argument("--models", nargs="*", default=["transformer", "gla-h", "sse-h"])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--profile", nargs="*", default=[], help="models to profile (top kernels of one step)")
+    parser.add_argument("--profile", nargs="*", default=[], help="models to profile: time by category, top kernels, host syncs")
+    parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
     args = parser.parse_args()
     import kernels
 
@@ -84,11 +136,12 @@ def main() -> None:
         B, T = map(int, shape.split("x"))
         base = None
         for kind in args.models:
-            r = measure(kind, B, T, args.steps, kind in args.profile)
+            r = measure(kind, B, T, args.steps, kind in args.profile, not args.no_checkpointing)
             base = base or (r["tokens_per_s"] if kind == "transformer" else None)
             rows.append((shape, kind, r, r["tokens_per_s"] / base if base else float("nan")))
             print(f"  {shape} {kind}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
-    print(f"\n### Training step, {LAYERS} layers x {HIDDEN}, bf16 autocast + checkpointing, forward+backward\n")
+    recompute = "no checkpointing" if args.no_checkpointing else "checkpointing"
+    print(f"\n### Training step, {LAYERS} layers x {HIDDEN}, bf16 autocast + {recompute}, forward+backward\n")
     print("| shape | model | params | tokens/s | vs Transformer | step s | first step s | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for shape, kind, r, ratio in rows:

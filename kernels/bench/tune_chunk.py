@@ -5,7 +5,7 @@ one SSE forward+backward) under each candidate :class:`~kernels.sse_chunk.Kernel
 their current one; prints a table and the best choice per kernel, which ``CONFIGS`` in ``sse_chunk.py``
 records. ``--then-bench`` runs the chunk table of ``bench_sse`` with the best choices in the same process.
 
-    python -m kernels.bench.tune_chunk [--B 4 --T 32768] [--then-bench]
+    python -m kernels.bench.tune_chunk [--B 4 --T 32768] [--kernels fwd bwd_dv] [--then-bench]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def kernel_times(step) -> dict[str, float]:
     times: dict[str, float] = {}
     for event in prof.key_averages():
         for name in CANDIDATES:
-            if event.key.startswith("_" + name):
+            if event.key == "_" + name:
                 times[name] = times.get(name, 0.0) + event.device_time_total / 1e3
     return times
 
@@ -46,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--B", type=int, default=4)
     parser.add_argument("--T", type=int, default=32768)
+    parser.add_argument("--kernels", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--then-bench", action="store_true")
     args = parser.parse_args()
     limit_autotune()
@@ -57,7 +58,8 @@ def main() -> None:
     print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H=18, D=128, N=4, K=1, bf16, one f+b)\n")
     print("| kernel | BK | BV | warps | stages | ms |")
     print("|---|---|---|---|---|---|")
-    for name, candidates in CANDIDATES.items():
+    for name in args.kernels:
+        candidates = CANDIDATES[name]
         best = None
         for cfg in candidates:
             sse_chunk.CONFIGS[name] = cfg
