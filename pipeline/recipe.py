@@ -159,6 +159,7 @@ class GRPOStageConfig:
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)
     num_engines: int = bounded(1, ge=1)
+    max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging_steps: int = bounded(1, ge=1)
     save_steps: int = bounded(10, ge=1)

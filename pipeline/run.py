@@ -32,6 +32,10 @@ STAGE_SETTINGS = {
 }
 
 
+# settings that say how a stage runs, not what it computes: changing them never refuses a re-run
+OPERATIONAL = {"grpo.max_engine_restarts"}
+
+
 class StageSettingsChanged(RecipeError):
     pass
 
@@ -46,7 +50,8 @@ def changed_settings(stage: str, before: dict, now: dict) -> list[str]:
     """``key: old -> new`` for every setting of ``stage`` that differs between two resolved recipes."""
     old = _flat({k: before.get(k) for k in STAGE_SETTINGS[stage]})
     new = _flat({k: now.get(k) for k in STAGE_SETTINGS[stage]})
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and k not in OPERATIONAL]
 
 
 def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bool:
@@ -137,7 +142,7 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
     cfg = recipe.grpo
 
     def fleet_factory(path):
-        return EngineFleet(str(path), None, num_engines=cfg.num_engines,
+        return EngineFleet(str(path), None, num_engines=cfg.num_engines, max_restarts=cfg.max_engine_restarts,
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            device=resolve_device(recipe.device).type,
                            **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),

@@ -241,6 +241,12 @@ def test_a_rerun_with_changed_settings_is_refused_or_redone(tmp_path, caplog):
     with caplog.at_level("INFO"):
         prepare_stage(recipe, "distill", tmp_path / "distill", redo=False)
     assert "distill: resuming from checkpoint-7" in caplog.text
+    from pipeline.run import changed_settings
+
+    before = recipe_to_dict(recipe)
+    operational = recipe_to_dict(load_recipe("demo", [f"output_dir={tmp_path}", "grpo.max_engine_restarts=0"]))
+    del before["grpo"]["max_engine_restarts"]  # a run recorded before the key existed
+    assert changed_settings("grpo", before, operational) == []  # how a stage runs, not what it computes
 
     changed = load_recipe("demo", [f"output_dir={tmp_path}", "distill.learning_rate=0.5", "seed=3"])
     with pytest.raises(StageSettingsChanged, match=r"distill: settings changed.*distill.learning_rate: .* -> 0.5"

@@ -267,6 +267,41 @@ def test_ray_fleet_matches_local_engine(model, tokenizer):
         ray.shutdown()
 
 
+def test_fleet_replaces_an_engine_killed_mid_call(model, tokenizer):
+    """An engine's actor killed while it generates: the fleet starts a replacement, gives it the synced weights
+    and resubmits its share; the call returns what an undisturbed call returns (sampling is seeded)."""
+    ray = pytest.importorskip("ray")
+    import threading
+    import time
+
+    from pipeline.rollout.actor import EngineFleet
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(model, tokenizer, num_engines=2, max_restarts=1, max_slots=4, max_model_len=512,
+                            block_size=8)
+        torch.manual_seed(7)
+        fleet.update_weights(SSEForCausalLM(model.config).state_dict())  # a replacement must get these
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=400, seed=5, ignore_eos=True)
+        start = time.perf_counter()
+        expected = fleet.generate(PROMPTS, params)
+        took = time.perf_counter() - start
+        victim = fleet.workers[0]
+        killer = threading.Timer(took / 3, lambda: ray.kill(victim, no_restart=True))
+        killer.start()
+        got = fleet.generate(PROMPTS, params)
+        killer.join()
+        assert fleet.restarts == 1 and fleet.workers[0] != victim
+        assert [[o.token_ids for o in r.outputs] for r in got] == [[o.token_ids for o in r.outputs] for r in expected]
+        assert fleet.update_weights(model.state_dict()) == [2, 2]  # the replacement joined at the fleet's version
+        ray.kill(fleet.workers[1], no_restart=True)
+        with pytest.raises(RuntimeError, match="max_restarts=1"):
+            fleet.generate(PROMPTS[:2], params)
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
+
+
 def test_engine_from_checkpoint_directory(model, tokenizer, tmp_path):
     """A checkpoint path loads on the accelerator when there is one (the Ray actors of GRPO build their
     engines this way), in the dtype asked for, and generates like the model it was saved from."""

@@ -559,8 +559,10 @@ class Engine:
             bar.close()
         return [results[i] for i in ids]
 
-    def update_weights(self, weights) -> None:
-        """Loads new weights (a state dict, or a checkpoint directory) in place, between batches."""
+    def update_weights(self, weights, version: int | None = None) -> None:
+        """Loads new weights (a state dict, or a checkpoint directory) in place, between batches. ``version``
+        sets the weights' version instead of counting this load (an engine that replaces a dead one joins
+        its fleet at the fleet's version)."""
         if self.has_unfinished():
             raise RuntimeError("update_weights while requests are in flight; call it between batches")
         if isinstance(weights, (str, Path)):
@@ -574,7 +576,7 @@ class Engine:
         with torch.no_grad():
             for name, value in weights.items():
                 own[name].copy_(value.to(device=own[name].device, dtype=own[name].dtype))
-        self.weights_version += 1
+        self.weights_version = self.weights_version + 1 if version is None else version
 
     def get_stats(self) -> dict:
         stats = self.stats.as_dict(self.max_slots)
