@@ -90,10 +90,11 @@ class DistillConfig:
     lr_scheduler: str = "cosine"  # one of transformers' SchedulerType values (checked in validate)
     warmup_ratio: float = bounded(0.03, ge=0, le=1)
     weight_decay: float = bounded(0.0, ge=0)
-    batch_size: int = bounded(8, ge=1)
+    batch_size: int = bounded(8, ge=1)  # rows per micro-step over all workers (each takes batch_size / num_workers)
     gradient_accumulation_steps: int = bounded(1, ge=1)
     max_length: int = bounded(32768, ge=1)
     packing: bool = True
+    num_workers: int = bounded(1, ge=1)  # data-parallel training processes: one per GPU (CPU: cores shared)
     gradient_checkpointing: bool = False
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(500, ge=1)
@@ -220,6 +221,9 @@ class Recipe:
                      + (f"; did you mean {close[0]}?" if close else ""))
         if self.distill.max_steps == 0:
             fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
+        if self.distill.batch_size % self.distill.num_workers:
+            fail("distill.num_workers", f"{self.distill.num_workers} workers do not divide distill.batch_size="
+                                        f"{self.distill.batch_size} (each worker takes an equal share of the batch)")
         if self.distill.lr_scheduler not in _schedulers():
             close = difflib.get_close_matches(self.distill.lr_scheduler, _schedulers(), n=1)
             fail("distill.lr_scheduler", f"unknown scheduler {self.distill.lr_scheduler!r} "

@@ -17,6 +17,7 @@ import ray
 import yaml
 
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
+from .distributed import run_data_parallel
 from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
@@ -99,17 +100,23 @@ def placement(recipe: Recipe) -> dict:
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     engines = recipe.grpo.num_engines
     whole = {"num_cpus": cpus if gpus == 0 else 1, "num_gpus": min(gpus, 1)}  # distill, single-worker eval
+    workers = recipe.distill.num_workers
+    if gpus and workers > gpus:
+        raise ValueError(f"distill.num_workers={workers} needs {workers} GPUs (one per worker); the cluster has {gpus}")
+    # a data-parallel training worker: a GPU each, or an equal share of the cores
+    train_worker = {"num_cpus": 1, "num_gpus": 1} if gpus else {"num_cpus": max(1, cpus // workers), "num_gpus": 0}
     if gpus == 0:
-        return {"whole": whole, "trainer": {"num_cpus": max(1, cpus - engines), "num_gpus": 0},
+        return {"whole": whole, "train_worker": train_worker,
+                "trainer": {"num_cpus": max(1, cpus - engines), "num_gpus": 0},
                 "engine": {"num_cpus": 1, "num_gpus": 0}, "colocated": False, "eval_gpus": 0}
     if gpus == 1:
-        return {"whole": whole, "trainer": {"num_cpus": 1, "num_gpus": 0.5},
+        return {"whole": whole, "train_worker": train_worker, "trainer": {"num_cpus": 1, "num_gpus": 0.5},
                 "engine": {"num_cpus": 1, "num_gpus": 0.5 / engines}, "colocated": True, "eval_gpus": 1}
     if engines > gpus - 1:
         raise ValueError(f"grpo.num_engines={engines} needs {engines + 1} GPUs (one for the trainer); "
                          f"the cluster has {gpus}")
-    return {"whole": whole, "trainer": {"num_cpus": 1, "num_gpus": 1}, "engine": {"num_cpus": 1, "num_gpus": 1},
-            "colocated": False, "eval_gpus": 1}
+    return {"whole": whole, "train_worker": train_worker, "trainer": {"num_cpus": 1, "num_gpus": 1},
+            "engine": {"num_cpus": 1, "num_gpus": 1}, "colocated": False, "eval_gpus": 1}
 
 
 def _task_setup():
@@ -206,8 +213,13 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         stage_dir = out / stage
         redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
         if stage == "distill":
-            task = ray.remote(**where["whole"])(_distill_task)
-            current = Path(ray.get(task.remote(recipe, str(stage_dir), str(current) if current else None)))
+            start = str(current) if current else None
+            if recipe.distill.num_workers > 1:
+                current = Path(run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
+                                                 recipe.distill.num_workers, where["train_worker"], "distill"))
+            else:
+                task = ray.remote(**where["whole"])(_distill_task)
+                current = Path(ray.get(task.remote(recipe, str(stage_dir), start)))
         elif stage == "grpo":
             start_from = current or initial_checkpoint(recipe, out)
             task = ray.remote(**where["trainer"])(_grpo_task)

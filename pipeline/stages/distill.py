@@ -15,6 +15,7 @@ from trl import SFTConfig, SFTTrainer
 from ..balance import BalanceLossMixin
 from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
 from ..data import drop_overlong, sft_dataset
+from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..recipe import Recipe
@@ -28,7 +29,7 @@ def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
         **trainer_options(recipe, cfg, out_dir, device),
         num_train_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.batch_size,
+        per_device_train_batch_size=cfg.batch_size // world()[1],  # batch_size is the global batch
         lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio,  # a float in [0, 1) is a fraction of the steps
         weight_decay=cfg.weight_decay,
@@ -60,12 +61,14 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker()],
+        callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker()] if is_main_process() else [],
     )
     resume = latest_complete_checkpoint(out_dir / "checkpoints")
     if resume is not None:
         logger.info("distill: resuming from %s", resume)
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if not is_main_process():  # rank 0 writes the stage's files
+        return final
     plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "balance_loss", "learning_rate", "grad_norm"], "distill")
     return save_final(trainer.model, tokenizer, final,
                       {"stage": "distill", "global_step": trainer.state.global_step,
