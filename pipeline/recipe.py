@@ -161,6 +161,7 @@ class GRPOStageConfig:
     rewards: RewardConfig = field(default_factory=RewardConfig)
     num_engines: int = bounded(1, ge=1)
     max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
+    engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging_steps: int = bounded(1, ge=1)
     save_steps: int = bounded(10, ge=1)
@@ -199,6 +200,8 @@ class Recipe:
     prompt_instruction: str = INSTRUCTION  # appended to every problem, in training and evaluation
     # training: bf16 autocast over float32 master weights ("bf16-mixed"), or "fp32"; auto: bf16-mixed on CUDA
     precision: str = bounded("auto", choices=("auto", "bf16-mixed", "fp32"))
+    # where stages hand models on when nodes share no filesystem: a folder or a pyarrow.fs URI (s3://...)
+    storage: str | None = None
     model: ModelSpec = field(default_factory=ModelSpec)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)

@@ -17,11 +17,12 @@ import ray
 import yaml
 
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
-from .distributed import run_data_parallel
+from .distributed import is_main_process, run_data_parallel
 from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
 from .recipe import Recipe, RecipeError, recipe_to_dict
+from .storage import is_stored, materialize, storage_uri, upload
 
 logger = logging.getLogger(__name__)
 STAGES = ("distill", "grpo", "eval")
@@ -34,7 +35,7 @@ STAGE_SETTINGS = {
 
 
 # settings that say how a stage runs, not what it computes: changing them never refuses a re-run
-OPERATIONAL = {"grpo.max_engine_restarts"}
+OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "distill.num_workers")
 
 
 class StageSettingsChanged(RecipeError):
@@ -52,7 +53,7 @@ def changed_settings(stage: str, before: dict, now: dict) -> list[str]:
     old = _flat({k: before.get(k) for k in STAGE_SETTINGS[stage]})
     new = _flat({k: now.get(k) for k in STAGE_SETTINGS[stage]})
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and k not in OPERATIONAL]
+            if old.get(k) != new.get(k) and not any(k == o or k.startswith(o + ".") for o in OPERATIONAL)]
 
 
 def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bool:
@@ -134,11 +135,28 @@ def _task_setup():
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
+def _stored(recipe: Recipe, location: str | Path, key: str) -> str:
+    """A model this process has locally (the initial model, a --checkpoint), stored under ``key`` when the
+    recipe has a storage location, so that stages on other nodes can read it; else unchanged."""
+    if recipe.storage is None or is_stored(location):
+        return str(location)
+    return upload(Path(location), storage_uri(recipe.storage, recipe.name, key))
+
+
+def _hand_on(recipe: Recipe, stage: str, final: Path) -> str:
+    """The location the next stage reads a stage's final model from: stored under ``recipe.storage`` when
+    there is one (by the process that wrote it), else its local path."""
+    if recipe.storage is None or not is_main_process():
+        return str(final)
+    return upload(final, storage_uri(recipe.storage, recipe.name, stage, "final"))
+
+
 def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
     from .stages.distill import run_distill
 
     _task_setup()
-    return str(run_distill(recipe, Path(out_dir), Path(start_from) if start_from else None))
+    final = run_distill(recipe, Path(out_dir), materialize(start_from) if start_from else None)
+    return _hand_on(recipe, "distill", final)
 
 
 def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: dict, colocated: bool) -> str:
@@ -148,21 +166,22 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
     _task_setup()
     cfg = recipe.grpo
 
-    def fleet_factory(path):
-        return EngineFleet(str(path), None, num_engines=cfg.num_engines, max_restarts=cfg.max_engine_restarts,
+    def fleet_factory(_local_copy):  # the engines read the model where it is kept: stored, on any node
+        return EngineFleet(start_from, None, num_engines=cfg.num_engines, max_restarts=cfg.max_engine_restarts,
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            device=resolve_device(recipe.device).type,
                            **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),
-                           **engine_resources)
+                           **engine_resources, resources=cfg.engine_resources)
 
-    return str(run_grpo(recipe, Path(out_dir), Path(start_from), fleet_factory))
+    final = run_grpo(recipe, Path(out_dir), materialize(start_from), fleet_factory)
+    return _hand_on(recipe, "grpo", final)
 
 
 def _eval_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> dict:
     from .stages.evaluate import run_eval
 
     _task_setup()
-    return run_eval(recipe, Path(out_dir), Path(checkpoint), eval_gpus if recipe.eval.num_workers > 1 else 0)
+    return run_eval(recipe, Path(out_dir), materialize(checkpoint), eval_gpus if recipe.eval.num_workers > 1 else 0)
 
 
 def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
@@ -213,7 +232,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         stage_dir = out / stage
         redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
         if stage == "distill":
-            start = str(current) if current else None
+            start = _stored(recipe, current, "distill-start") if current else None
             if recipe.distill.num_workers > 1:
                 current = Path(run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
                                                  recipe.distill.num_workers, where["train_worker"], "distill"))
@@ -221,12 +240,12 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 task = ray.remote(**where["whole"])(_distill_task)
                 current = Path(ray.get(task.remote(recipe, str(stage_dir), start)))
         elif stage == "grpo":
-            start_from = current or initial_checkpoint(recipe, out)
+            start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo-start")
             task = ray.remote(**where["trainer"])(_grpo_task)
             current = Path(ray.get(task.remote(recipe, str(stage_dir), str(start_from), where["engine"],
                                                where["colocated"])))
         elif stage == "eval":
-            model_dir = current or initial_checkpoint(recipe, out)
+            model_dir = _stored(recipe, current or initial_checkpoint(recipe, out), "eval-start")
             task = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_eval_task)
             ray.get(task.remote(recipe, str(stage_dir), str(model_dir), where["eval_gpus"]))
         timings[stage] = time.time() - stage_start

@@ -36,3 +36,62 @@ def test_two_data_parallel_workers_train_like_one_process(tmp_path):
 def test_workers_must_divide_the_batch():
     with pytest.raises(RecipeError, match="distill.num_workers: 3 workers do not divide distill.batch_size=32"):
         load_recipe("demo", ["distill.num_workers=3"])
+
+
+def test_storage_round_trip_is_complete_or_refused(tmp_path, monkeypatch):
+    """A stored directory comes back whole into the node's cache, once; a copy without its marker (an upload
+    cut short) is refused."""
+    from pipeline.storage import MARKER, materialize, storage_uri, upload
+
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "model"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "sub" / "weights.bin").write_bytes(b"x" * 1000)
+    uri = upload(src, storage_uri(str(tmp_path / "store"), "run", "final"))
+    assert uri.startswith("file://")
+    local = materialize(uri)
+    assert local.is_relative_to(tmp_path / "cache") and (local / "sub" / "weights.bin").read_bytes() == b"x" * 1000
+    assert materialize(uri) == local and materialize(str(src)) == src
+    (tmp_path / "store" / "run" / "final" / MARKER).unlink()
+    with pytest.raises(FileNotFoundError, match="no complete stored copy"):
+        materialize(uri)
+
+
+def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypatch):
+    """Two Ray nodes on this machine, each with its own cache folder (where it puts the models it fetches) and no
+    output path in common: GRPO's trainer on the head, its rollout engine on the second node (asked for with
+    grpo.engine_resources), the model reaching the engine only through the recipe's storage location."""
+    import json
+
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from pipeline.run import run_recipe
+    from pipeline.storage import MARKER, storage_uri
+
+    if ray.is_initialized():
+        ray.shutdown()
+    head_cache, engine_cache, store = tmp_path / "head-node", tmp_path / "engine-node", tmp_path / "store"
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(head_cache))  # a node's processes inherit it at its start
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(engine_cache))
+    cluster.add_node(num_cpus=1, resources={"engine_node": 1})
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(head_cache))
+    try:
+        recipe = load_recipe("demo", [f"output_dir={tmp_path / 'out'}", f"storage={store}", "grpo.steps=2",
+                                      "grpo.save_steps=1", "grpo.engine_resources={engine_node: 1}"])
+        run_recipe(recipe, ("grpo",), address=cluster.address)
+        engine_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("engine_node"))
+        (engine,) = json.loads((tmp_path / "out" / "grpo" / "engines.json").read_text())
+        assert engine["node"] == engine_node
+        assert engine["source"] == storage_uri(str(store), "demo", "grpo-start")
+        # each node read the stored model into its own cache: the engine's node and the trainer's
+        assert list((engine_cache / "storage").glob("*/config.json"))
+        assert list((head_cache / "storage").glob("*/config.json"))
+        assert (store / "demo" / "grpo" / "final" / MARKER).exists()
+        rows = [r for r in read_metrics(tmp_path / "out" / "grpo" / "metrics.jsonl") if "reward" in r]
+        assert len(rows) == 2
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -19,7 +19,12 @@ class RolloutWorker:
     def __init__(self, model, tokenizer=None, sleep_between_calls: bool = False, **engine_kwargs):
         import torch
 
+        from ..storage import materialize
+
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+        self.source = model if isinstance(model, str) else None
+        if isinstance(model, str):  # a local checkpoint, or a stored one this node fetches into its cache
+            model = str(materialize(model))
         self.engine = Engine(model, tokenizer, **engine_kwargs)
         self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
 
@@ -34,7 +39,7 @@ class RolloutWorker:
         return self.engine.weights_version
 
     def get_stats(self) -> dict:
-        return self.engine.get_stats()
+        return {**self.engine.get_stats(), "node": ray.get_runtime_context().get_node_id(), "source": self.source}
 
     def capacity(self, seq_len: int | None = None) -> int:
         return self.engine.capacity(seq_len)
@@ -51,8 +56,8 @@ class EngineFleet:
     """
 
     def __init__(self, model, tokenizer=None, num_engines: int = 1, num_gpus: float = 0, num_cpus: float = 1,
-                 max_restarts: int = 3, **engine_kwargs):
-        self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus)(RolloutWorker)
+                 resources: dict | None = None, max_restarts: int = 3, **engine_kwargs):
+        self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None)(RolloutWorker)
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
         self.max_restarts, self.restarts = max_restarts, 0
         self._weights, self._version = None, 0  # the latest synced weights (an object ref), for replacements
