@@ -19,7 +19,12 @@ log = logging.getLogger(__name__)
 
 class CheckpointMarker(TrainerCallback):
     """Writes ``checkpoint_complete.json`` (every file and its size) into a checkpoint once the trainer has
-    finished saving it: a resume trusts only checkpoints whose files are all there at those sizes."""
+    finished saving it: a resume trusts only checkpoints whose files are all there at those sizes. With
+    ``store`` (a storage URI, :mod:`pipeline.storage`) the finished checkpoint is also stored there, the newest
+    ``args.save_total_limit`` kept."""
+
+    def __init__(self, store: str | None = None):
+        self.store = store
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -31,6 +36,10 @@ class CheckpointMarker(TrainerCallback):
             tmp = folder / f".{COMPLETE}.tmp"
             tmp.write_text(json.dumps(sizes, indent=1))
             os.replace(tmp, folder / COMPLETE)
+            if self.store is not None:
+                from .storage import store_checkpoint
+
+                store_checkpoint(folder, self.store, args.save_total_limit)
 
 
 def _broken_file(folder: Path) -> str | None:

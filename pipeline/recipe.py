@@ -162,6 +162,9 @@ class GRPOStageConfig:
     num_engines: int = bounded(1, ge=1)
     max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
     engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
+    # trainer -> engines: through Ray's object store, or broadcast over a process group (NCCL when the engines
+    # have GPUs of their own, gloo on CPU; not with engines on the trainer's GPU)
+    weight_sync: str = bounded("object_store", choices=("object_store", "broadcast"))
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging_steps: int = bounded(1, ge=1)
     save_steps: int = bounded(10, ge=1)

@@ -22,7 +22,7 @@ from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
 from .recipe import Recipe, RecipeError, recipe_to_dict
-from .storage import is_stored, materialize, storage_uri, upload
+from .storage import is_stored, materialize, set_aside, storage_uri, upload
 
 logger = logging.getLogger(__name__)
 STAGES = ("distill", "grpo", "eval")
@@ -35,7 +35,7 @@ STAGE_SETTINGS = {
 
 
 # settings that say how a stage runs, not what it computes: changing them never refuses a re-run
-OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "distill.num_workers")
+OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "distill.num_workers")
 
 
 class StageSettingsChanged(RecipeError):
@@ -70,8 +70,11 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
                 f"{stage}: settings changed since this stage ran in {stage_dir}: " + "; ".join(changes)
                 + f". Use another output_dir, or --redo {stage} to run it again (its outputs are moved aside)")
         if changes or redo:
-            aside = stage_dir.with_name(f"{stage_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            suffix = f".replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = stage_dir.with_name(stage_dir.name + suffix)
             stage_dir.rename(aside)
+            if recipe.storage is not None:  # its stored checkpoints must not be resumed from either
+                set_aside(storage_uri(recipe.storage, recipe.name, stage), suffix)
             fresh = True
             logger.warning("%s: running again; the previous outputs are in %s", stage, aside)
     if is_done(stage_dir / "final") or (stage == "eval" and (stage_dir / "summary.json").exists()):
@@ -166,8 +169,16 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
     _task_setup()
     cfg = recipe.grpo
 
+    sync = cfg.weight_sync
+    if sync == "broadcast":
+        if colocated:
+            raise RecipeError("grpo.weight_sync: broadcast needs engines on GPUs of their own (NCCL pairs one process "
+                              "per GPU); with the engines on the trainer's GPU use object_store")
+        sync = "nccl" if engine_resources.get("num_gpus", 0) >= 1 else "gloo"
+
     def fleet_factory(_local_copy):  # the engines read the model where it is kept: stored, on any node
         return EngineFleet(start_from, None, num_engines=cfg.num_engines, max_restarts=cfg.max_engine_restarts,
+                           weight_sync=sync,
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            device=resolve_device(recipe.device).type,
                            **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),

@@ -1,7 +1,8 @@
 """Stage outputs without a shared filesystem.
 
 A recipe's ``storage`` location (a local folder, or any ``pyarrow.fs`` URI such as ``s3://bucket/runs``)
-receives the models a stage hands on: the initial model, each stage's final model. A model is then passed
+receives the models a stage hands on (the initial model, each stage's final model) and the training stages'
+checkpoints, which a re-run on another node fetches to resume from. A model is then passed
 between stages, and to rollout engines and evaluation workers, as its stored URI; whichever node needs it
 materialises it into its own cache (``$SSE_PIPELINE_CACHE/storage``, default ``~/.cache/sse-pipeline``) once.
 An upload writes a marker last (every file and its size), so a reader never takes a partial copy, and a
@@ -106,3 +107,83 @@ def materialize(location: str | Path) -> Path:
     os.replace(tmp, local)
     logger.info("fetched %s into %s", uri, local)
     return local
+
+
+def is_complete(uri: str) -> bool:
+    """Whether a complete stored copy is at ``uri``."""
+    fs, path = _filesystem(uri)
+    return _stored_files(fs, path) is not None
+
+
+def _stored_checkpoints(uri: str) -> list[tuple[int, str]]:
+    """``(step, uri)`` of the complete ``checkpoint-N`` copies under ``uri``, newest first."""
+    from pyarrow import fs as pafs
+
+    fs, path = _filesystem(uri)
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        step = info.base_name.removeprefix("checkpoint-")
+        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint-") and step.isdigit():
+            if _stored_files(fs, info.path) is not None:
+                found.append((int(step), f"{uri.rstrip('/')}/{info.base_name}"))
+    return sorted(found, reverse=True)
+
+
+def store_checkpoint(folder: Path, uri: str, keep: int | None = None) -> None:
+    """Stores a finished ``checkpoint-N`` folder under ``uri``, keeping the newest ``keep`` stored ones."""
+    upload(folder, f"{uri.rstrip('/')}/{Path(folder).name}")
+    if keep is not None:
+        for _, old in _stored_checkpoints(uri)[keep:]:
+            fs, path = _filesystem(old)
+            fs.delete_file(f"{path}/{MARKER}")  # first: a reader never takes a half-deleted copy
+            fs.delete_dir(path)
+
+
+def fetch_latest_checkpoint(uri: str, local_dir: Path) -> Path | None:
+    """Puts the newest stored checkpoint under ``uri`` into ``local_dir`` unless a local one is as new (a re-run
+    on a node that did not write them); returns the fetched folder, or None."""
+    stored = _stored_checkpoints(uri)
+    if not stored:
+        return None
+    step, source = stored[0]
+    local_dir = Path(local_dir)
+    have = [int(c.name.split("-")[-1]) for c in local_dir.glob("checkpoint-*") if c.name.split("-")[-1].isdigit()]
+    if have and max(have) >= step:
+        return None
+    target = local_dir / f"checkpoint-{step}"
+    tmp = local_dir / f".fetching-checkpoint-{step}-{os.getpid()}"  # data-parallel workers of one node race
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(materialize(source), tmp)
+    (tmp / MARKER).unlink(missing_ok=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another worker of this node put it there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("fetched checkpoint-%d from %s", step, uri)
+    return target
+
+
+def resume_point(storage: str | None, run: str, stage: str, out_dir: Path) -> tuple[Path | None, str | None]:
+    """A training stage's checkpoint to resume from and where its checkpoints are stored (None without
+    storage): the newest complete one, fetched from storage first when this node has none as new."""
+    from .checkpoints import latest_complete_checkpoint
+
+    store = None if storage is None else storage_uri(storage, run, stage, "checkpoints")
+    if store is not None:
+        fetch_latest_checkpoint(store, Path(out_dir) / "checkpoints")
+    return latest_complete_checkpoint(Path(out_dir) / "checkpoints"), store
+
+
+def set_aside(uri: str, suffix: str) -> None:
+    """Moves what is stored at ``uri`` to ``uri + suffix`` (a stage run again keeps nothing of the old run in
+    its place); a store that cannot move folders deletes it instead, with a warning."""
+    from pyarrow import fs as pafs
+
+    fs, path = _filesystem(uri)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return
+    try:
+        fs.move(path, path + suffix)
+    except (NotImplementedError, OSError) as error:
+        logger.warning("storage: cannot move %s aside (%s); deleting it", uri, error)
+        fs.delete_dir(path)

@@ -61,7 +61,8 @@ def test_storage_round_trip_is_complete_or_refused(tmp_path, monkeypatch):
 def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypatch):
     """Two Ray nodes on this machine, each with its own cache folder (where it puts the models it fetches) and no
     output path in common: GRPO's trainer on the head, its rollout engine on the second node (asked for with
-    grpo.engine_resources), the model reaching the engine only through the recipe's storage location."""
+    grpo.engine_resources), the model reaching the engine only through the recipe's storage location and the
+    weights of every step by broadcast (gloo) from the trainer."""
     import json
 
     ray = pytest.importorskip("ray")
@@ -80,7 +81,8 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
     monkeypatch.setenv("SSE_PIPELINE_CACHE", str(head_cache))
     try:
         recipe = load_recipe("demo", [f"output_dir={tmp_path / 'out'}", f"storage={store}", "grpo.steps=2",
-                                      "grpo.save_steps=1", "grpo.engine_resources={engine_node: 1}"])
+                                      "grpo.save_steps=1", "grpo.engine_resources={engine_node: 1}",
+                                      "grpo.weight_sync=broadcast"])
         run_recipe(recipe, ("grpo",), address=cluster.address)
         engine_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("engine_node"))
         (engine,) = json.loads((tmp_path / "out" / "grpo" / "engines.json").read_text())
@@ -91,7 +93,32 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
         assert list((head_cache / "storage").glob("*/config.json"))
         assert (store / "demo" / "grpo" / "final" / MARKER).exists()
         rows = [r for r in read_metrics(tmp_path / "out" / "grpo" / "metrics.jsonl") if "reward" in r]
-        assert len(rows) == 2
+        assert len(rows) == 2 and all(r["time/weight_sync_s"] > 0 for r in rows)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_rerun_elsewhere_resumes_from_stored_checkpoints(tmp_path):
+    """Distillation with a storage location stores each finished checkpoint; the same recipe run from another
+    output folder (another node's) fetches the newest and resumes from it; --redo sets the stored ones aside."""
+    from pipeline.checkpoints import DONE
+    from pipeline.run import prepare_stage, run_recipe
+
+    store = tmp_path / "store"
+    common = [f"storage={store}", "distill.data.max_samples=64", "distill.batch_size=8", "distill.save_steps=1",
+              "distill.save_total_limit=2", "distill.logging_steps=1", "ray.num_cpus=2"]
+    run_recipe(load_recipe("demo", [f"output_dir={tmp_path / 'a'}", "distill.max_steps=2", *common]), ("distill",))
+    stored = store / "demo" / "distill" / "checkpoints"
+    assert sorted(p.name for p in stored.iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    elsewhere = load_recipe("demo", [f"output_dir={tmp_path / 'b'}", "distill.max_steps=3", *common])
+    run_recipe(elsewhere, ("distill",))
+    import json
+
+    # it trained step 3 only: steps 1-2 came with the fetched checkpoint
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "distill" / "metrics.jsonl") if "loss" in r] == [3]
+    assert json.loads((tmp_path / "b" / "distill" / "final" / DONE).read_text())["global_step"] == 3
+    assert sorted(p.name for p in stored.iterdir()) == ["checkpoint-2", "checkpoint-3"]  # save_total_limit
+    prepare_stage(elsewhere, "distill", tmp_path / "b" / "distill", redo=True)
+    assert not (store / "demo" / "distill").exists()
+    assert [p.name.startswith("distill.replaced-") for p in (store / "demo").iterdir()].count(True) == 1

@@ -302,6 +302,41 @@ def test_fleet_replaces_an_engine_killed_mid_call(model, tokenizer):
         ray.shutdown()
 
 
+def test_fleet_broadcasts_weights_over_a_process_group(model, tokenizer, caplog):
+    """weight_sync="gloo": the trainer process and the engines form a process group and the weights arrive by
+    broadcast (bf16 engines, float32 trainer weights); a replaced engine gets them too, and the next sync forms
+    the group anew."""
+    ray = pytest.importorskip("ray")
+    from pipeline.rollout.actor import EngineFleet
+    from pipeline.rollout.weight_sync import Layout
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(model, tokenizer, num_engines=2, max_slots=4, max_model_len=96, weight_sync="gloo",
+                            dtype=torch.bfloat16)
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        for version, seed in ((1, 7), (2, 8)):
+            torch.manual_seed(seed)
+            policy = SSEForCausalLM(model.config)
+            assert fleet.update_weights(policy.state_dict()) == [version, version]
+            reference = Engine(copy.deepcopy(policy), tokenizer, max_slots=1, max_model_len=96, dtype=torch.bfloat16)
+            expected = reference.generate([PROMPTS[0]] * 2, greedy)
+            assert [r.outputs[0].token_ids for r in fleet.generate([PROMPTS[0]] * 2, greedy)] == \
+                [r.outputs[0].token_ids for r in expected]
+            if version == 1:  # an engine lost between syncs: replaced with the synced weights
+                ray.kill(fleet.workers[1], no_restart=True)
+                assert fleet.generate([PROMPTS[0]] * 2, greedy)[1].outputs[0].token_ids == \
+                    expected[1].outputs[0].token_ids
+                assert fleet.restarts == 1
+        assert "weight broadcast failed" not in caplog.text  # no sync fell back to the object store
+        layout = Layout.of(policy.state_dict(), torch.bfloat16, bucket_bytes=4096)
+        assert len(layout.buckets) > 1 and sum(len(b) for b in layout.buckets) == len(policy.state_dict())
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
+
+
 def test_engine_from_checkpoint_directory(model, tokenizer, tmp_path):
     """A checkpoint path loads on the accelerator when there is one (the Ray actors of GRPO build their
     engines this way), in the dtype asked for, and generates like the model it was saved from."""

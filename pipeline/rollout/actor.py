@@ -4,8 +4,10 @@ replaces an engine that dies."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import ray
+import torch
 
 from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
@@ -17,8 +19,6 @@ class RolloutWorker:
     """An :class:`Engine` inside a Ray actor; same methods, results returned by value."""
 
     def __init__(self, model, tokenizer=None, sleep_between_calls: bool = False, **engine_kwargs):
-        import torch
-
         from ..storage import materialize
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
@@ -38,6 +38,19 @@ class RolloutWorker:
         self.engine.update_weights(weights, version)
         return self.engine.weights_version
 
+    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        from .weight_sync import process_group
+
+        self.sync_group, self.sync_backend = process_group(host, port, rank, world_size, backend), backend
+
+    def receive_weights(self, layout, version: int) -> int:
+        """Takes the weights the trainer broadcasts over the sync group, bucket by bucket."""
+        from .weight_sync import receive
+
+        device = self.engine.device if self.sync_backend == "nccl" else torch.device("cpu")
+        self.engine.update_weights(receive(self.sync_group, layout, device), version)
+        return self.engine.weights_version
+
     def get_stats(self) -> dict:
         return {**self.engine.get_stats(), "node": ray.get_runtime_context().get_node_id(), "source": self.source}
 
@@ -49,6 +62,11 @@ class EngineFleet:
     """``num_engines`` rollout actors behind one ``generate``: requests are dealt out in turn (all samples
     of a request stay on one engine, where they share its prefill), results come back in order.
 
+    Weights travel through Ray's object store (``weight_sync="object_store"``: put once, every engine loads
+    them; works wherever the engines are, including on the trainer's own GPU) or are broadcast over a process
+    group of the trainer and the engines (``"nccl"`` for engines on GPUs of their own, ``"gloo"`` on CPU; see
+    :mod:`pipeline.rollout.weight_sync`).
+
     An engine whose actor dies (its process killed, its node lost) is replaced by a new actor built from the
     same arguments, given the latest synced weights, and its share of the call is submitted again; sampling is
     seeded per request, so the results are those the dead engine would have returned. At most
@@ -56,11 +74,18 @@ class EngineFleet:
     """
 
     def __init__(self, model, tokenizer=None, num_engines: int = 1, num_gpus: float = 0, num_cpus: float = 1,
-                 resources: dict | None = None, max_restarts: int = 3, **engine_kwargs):
+                 resources: dict | None = None, max_restarts: int = 3, weight_sync: str = "object_store",
+                 **engine_kwargs):
+        if weight_sync not in ("object_store", "nccl", "gloo"):
+            raise ValueError(f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {weight_sync!r}")
         self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None)(RolloutWorker)
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
         self.max_restarts, self.restarts = max_restarts, 0
-        self._weights, self._version = None, 0  # the latest synced weights (an object ref), for replacements
+        self.weight_sync = weight_sync
+        self._group = None  # the broadcast group, formed at the first sync (again after a replacement)
+        # the latest synced weights, for a replacement: an object ref, or (broadcast) the trainer's state dict,
+        # whose tensors do not change while the fleet generates (the trainer waits for the rollout)
+        self._weights, self._source, self._version = None, None, 0
         self.workers = [self._actor.remote(*self._args, **self._kwargs) for _ in range(num_engines)]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -94,14 +119,23 @@ class EngineFleet:
                        i, type(error).__name__, self.restarts, self.max_restarts)
         ray.kill(self.workers[i], no_restart=True)
         self.workers[i] = self._actor.remote(*self._args, **self._kwargs)
+        self._group = None  # the broadcast group lost a member: formed anew at the next sync
+        if self._weights is None and self._source is not None:
+            self._weights = ray.put({k: v.detach().cpu() for k, v in self._source.items()})
         if self._weights is not None:
             ray.get(self.workers[i].update_weights.remote(self._weights, self._version))
 
     def update_weights(self, state_dict) -> list[int]:
-        """Sends the weights once to the object store; every engine loads them."""
-        self._weights = ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
+        """Brings every engine to ``state_dict`` (the next version); returns the engines' versions."""
         self._version += 1
-        futures = [w.update_weights.remote(self._weights) for w in self.workers]
+        if self.weight_sync != "object_store":
+            try:
+                return self._broadcast(state_dict)
+            except (RuntimeError, ray.exceptions.RayError) as error:  # a member died mid-sync
+                logger.warning("weight broadcast failed (%s); this sync goes through the object store", error)
+                self._group = None
+        self._weights = ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
+        futures = [w.update_weights.remote(self._weights, self._version) for w in self.workers]
         versions = []
         for i, future in enumerate(futures):
             try:
@@ -110,6 +144,27 @@ class EngineFleet:
                 self._replace(i, error)
                 versions.append(self._version)
         return versions
+
+    def _broadcast(self, state_dict) -> list[int]:
+        from .weight_sync import Layout, process_group, send
+
+        self._weights, self._source = None, state_dict
+        if self._group is None:
+            host = ray.util.get_node_ip_address()
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            world = len(self.workers) + 1
+            joined = [w.join_weight_sync.remote(host, port, i + 1, world, self.weight_sync)
+                      for i, w in enumerate(self.workers)]
+            self._group = process_group(host, port, 0, world, self.weight_sync)
+            ray.get(joined)
+            self._dtype = getattr(torch, ray.get(self.workers[0].get_stats.remote())["dtype"])
+        layout = Layout.of(state_dict, self._dtype)
+        received = [w.receive_weights.remote(layout, self._version) for w in self.workers]
+        device = next(iter(state_dict.values())).device if self.weight_sync == "nccl" else torch.device("cpu")
+        send(self._group, state_dict, layout, device)
+        return ray.get(received)
 
     def get_stats(self) -> list[dict]:
         return ray.get([w.get_stats.remote() for w in self.workers])

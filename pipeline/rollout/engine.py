@@ -560,7 +560,8 @@ class Engine:
         return [results[i] for i in ids]
 
     def update_weights(self, weights, version: int | None = None) -> None:
-        """Loads new weights (a state dict, or a checkpoint directory) in place, between batches. ``version``
+        """Loads new weights in place, between batches: a state dict, a checkpoint directory, or an iterable of
+        ``(name, tensor)`` pairs as they arrive (:func:`pipeline.rollout.weight_sync.receive`). ``version``
         sets the weights' version instead of counting this load (an engine that replaces a dead one joins
         its fleet at the fleet's version)."""
         if self.has_unfinished():
@@ -570,12 +571,20 @@ class Engine:
 
             weights = load_pretrained(weights, require_sse=True).state_dict()
         own = self.model.state_dict()
-        unknown = sorted(set(weights) - set(own))
+        if isinstance(weights, dict):
+            unknown = sorted(set(weights) - set(own))
+            if unknown:  # refused before anything is copied
+                raise KeyError(f"update_weights: unknown parameters {unknown[:5]}")
+            weights = weights.items()
+        unknown = []
+        with torch.no_grad():
+            for name, value in weights:
+                if name not in own:
+                    unknown.append(name)
+                    continue
+                own[name].copy_(value.to(device=own[name].device, dtype=own[name].dtype))
         if unknown:
             raise KeyError(f"update_weights: unknown parameters {unknown[:5]}")
-        with torch.no_grad():
-            for name, value in weights.items():
-                own[name].copy_(value.to(device=own[name].device, dtype=own[name].dtype))
         self.weights_version = self.weights_version + 1 if version is None else version
 
     def get_stats(self) -> dict:

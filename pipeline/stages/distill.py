@@ -13,12 +13,13 @@ from pathlib import Path
 from trl import SFTConfig, SFTTrainer
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
+from ..checkpoints import CheckpointMarker, is_done, save_final
 from ..data import drop_overlong, sft_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..recipe import Recipe
+from ..storage import resume_point
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,14 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
                                      recipe.distill.max_length)
+    resume, store = resume_point(recipe.storage, recipe.name, "distill", out_dir)
     trainer = SSESFTTrainer(
         model=model.to(device),
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker()] if is_main_process() else [],
+        callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store)] if is_main_process() else [],
     )
-    resume = latest_complete_checkpoint(out_dir / "checkpoints")
     if resume is not None:
         logger.info("distill: resuming from %s", resume)
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)

@@ -35,7 +35,7 @@ from eval.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, latest_complete_checkpoint, save_final
+from ..checkpoints import CheckpointMarker, is_done, save_final
 from ..data import prompt_dataset
 from ..metrics import MetricsLogger, Timer, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
@@ -43,6 +43,7 @@ from ..packing import pack_rows, unpack_per_token
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 from ..rollout.backend import group_consecutive
+from ..storage import resume_point
 from .rollout_batch import concat_batches, engine_correction, informative_groups, select_groups
 
 logger = logging.getLogger(__name__)
@@ -333,17 +334,17 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                                "resources (ray.num_gpus) and grpo.engine")
         args = grpo_config(recipe, out_dir, device)
         args.reward_weights = weights
+        resume, store = resume_point(recipe.storage, recipe.name, "grpo", out_dir)
         trainer = SSEGRPOTrainer(
             model=model.to(device),
             reward_funcs=funcs,
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker()],
+            callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker(store)],
             fleet=fleet,
             timer=timer,
         )
-        resume = latest_complete_checkpoint(out_dir / "checkpoints")
         if resume is not None:
             logger.info("grpo: resuming from %s", resume)
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)

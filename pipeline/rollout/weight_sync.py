@@ -1,0 +1,79 @@
+"""Weights from the trainer to the rollout engines over a collective: NCCL between GPUs, gloo on CPU.
+
+The trainer is rank 0 of a process group of its own with the engines (ranks 1..n), built on a TCP store
+rather than ``init_process_group``, so it never touches the default group a data-parallel trainer uses. A
+sync broadcasts the weights in the engines' dtype, packed into a few flat buckets (one collective per ~256 MB
+instead of one per tensor), and each engine copies them into its parameters: no trip through Ray's object
+store or the disk. NCCL needs each rank on its own GPU, so engines that share the trainer's GPU keep the
+object-store path (``pipeline.rollout.actor.EngineFleet``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one sync sends: per bucket, the ``(name, shape)`` of its tensors, all in ``dtype``."""
+
+    buckets: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES) -> "Layout":
+        buckets, current, size = [], [], 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for name, tensor in state_dict.items():
+            if current and size + tensor.numel() * itemsize > bucket_bytes:
+                buckets.append(tuple(current))
+                current, size = [], 0
+            current.append((name, tuple(tensor.shape)))
+            size += tensor.numel() * itemsize
+        if current:
+            buckets.append(tuple(current))
+        return cls(tuple(buckets), dtype)
+
+
+def process_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0):
+    """Joins the sync group (rank 0 hosts its store and must be at ``host``)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    raise ValueError(f"weight sync backend must be 'nccl' or 'gloo', got {backend!r}")
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def send(group, state_dict: dict[str, torch.Tensor], layout: Layout, device: torch.device) -> None:
+    """Rank 0: broadcasts ``state_dict`` bucket by bucket, cast to the layout's dtype, from ``device``."""
+    with torch.no_grad():
+        for bucket in layout.buckets:
+            flat = torch.cat([state_dict[name].detach().to(device=device, dtype=layout.dtype).reshape(-1)
+                              for name, _ in bucket])
+            _broadcast(group, flat)
+
+
+def receive(group, layout: Layout, device: torch.device):
+    """Ranks >= 1: yields ``(name, tensor)`` of every weight as its bucket arrives (views of the bucket)."""
+    for bucket in layout.buckets:
+        numels = [torch.Size(shape).numel() for _, shape in bucket]
+        flat = torch.empty(sum(numels), dtype=layout.dtype, device=device)
+        _broadcast(group, flat)
+        for (name, shape), part in zip(bucket, flat.split(numels)):
+            yield name, part.view(shape)
