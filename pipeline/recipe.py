@@ -160,6 +160,8 @@ class GRPOStageConfig:
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)
     num_engines: int = bounded(1, ge=1)
+    # colocated: trainer and engines on one GPU (engines sleep while it trains); split: a GPU each; auto: by GPUs
+    placement: str = bounded("auto", choices=("auto", "colocated", "split"))
     max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
     engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
     # trainer -> engines: through Ray's object store, or broadcast over a process group (NCCL when the engines

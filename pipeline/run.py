@@ -18,6 +18,7 @@ import yaml
 
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
 from .distributed import is_main_process, run_data_parallel
+from .placement import GRPOPlacement, plan_grpo, reserve
 from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
@@ -35,7 +36,8 @@ STAGE_SETTINGS = {
 
 
 # settings that say how a stage runs, not what it computes: changing them never refuses a re-run
-OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "distill.num_workers")
+OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
+               "distill.num_workers")
 
 
 class StageSettingsChanged(RecipeError):
@@ -99,28 +101,17 @@ def init_ray(recipe: Recipe, address: str | None = None) -> None:
 
 
 def placement(recipe: Recipe) -> dict:
-    """Ray resources of the trainer task and of each engine actor."""
+    """Ray resources of each stage's processes (GRPO's: :func:`pipeline.placement.plan_grpo`)."""
     gpus = int(ray.cluster_resources().get("GPU", 0)) if resolve_device(recipe.device).type == "cuda" else 0
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    engines = recipe.grpo.num_engines
     whole = {"num_cpus": cpus if gpus == 0 else 1, "num_gpus": min(gpus, 1)}  # distill, single-worker eval
     workers = recipe.distill.num_workers
     if gpus and workers > gpus:
         raise ValueError(f"distill.num_workers={workers} needs {workers} GPUs (one per worker); the cluster has {gpus}")
     # a data-parallel training worker: a GPU each, or an equal share of the cores
     train_worker = {"num_cpus": 1, "num_gpus": 1} if gpus else {"num_cpus": max(1, cpus // workers), "num_gpus": 0}
-    if gpus == 0:
-        return {"whole": whole, "train_worker": train_worker,
-                "trainer": {"num_cpus": max(1, cpus - engines), "num_gpus": 0},
-                "engine": {"num_cpus": 1, "num_gpus": 0}, "colocated": False, "eval_gpus": 0}
-    if gpus == 1:
-        return {"whole": whole, "train_worker": train_worker, "trainer": {"num_cpus": 1, "num_gpus": 0.5},
-                "engine": {"num_cpus": 1, "num_gpus": 0.5 / engines}, "colocated": True, "eval_gpus": 1}
-    if engines > gpus - 1:
-        raise ValueError(f"grpo.num_engines={engines} needs {engines + 1} GPUs (one for the trainer); "
-                         f"the cluster has {gpus}")
-    return {"whole": whole, "train_worker": train_worker, "trainer": {"num_cpus": 1, "num_gpus": 1},
-            "engine": {"num_cpus": 1, "num_gpus": 1}, "colocated": False, "eval_gpus": 1}
+    grpo = plan_grpo(recipe.grpo.placement, gpus, cpus, recipe.grpo.num_engines)
+    return {"whole": whole, "train_worker": train_worker, "grpo": grpo, "eval_gpus": 1 if gpus else 0}
 
 
 def _task_setup():
@@ -162,13 +153,13 @@ def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
     return _hand_on(recipe, "distill", final)
 
 
-def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: dict, colocated: bool) -> str:
+def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacement, group) -> str:
     from .rollout.actor import EngineFleet
     from .stages.grpo import run_grpo
 
     _task_setup()
     cfg = recipe.grpo
-
+    engine_resources, colocated = plan.engine, plan.colocated
     sync = cfg.weight_sync
     if sync == "broadcast":
         if colocated:
@@ -182,7 +173,8 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, engine_resources: 
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            device=resolve_device(recipe.device).type,
                            **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),
-                           **engine_resources, resources=cfg.engine_resources)
+                           **engine_resources, resources=cfg.engine_resources, placement_group=group,
+                           bundles=plan.engine_bundles)
 
     final = run_grpo(recipe, Path(out_dir), materialize(start_from), fleet_factory)
     return _hand_on(recipe, "grpo", final)
@@ -252,9 +244,14 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 current = Path(ray.get(task.remote(recipe, str(stage_dir), start)))
         elif stage == "grpo":
             start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo-start")
-            task = ray.remote(**where["trainer"])(_grpo_task)
-            current = Path(ray.get(task.remote(recipe, str(stage_dir), str(start_from), where["engine"],
-                                               where["colocated"])))
+            plan = where["grpo"]
+            group = reserve(plan)
+            try:
+                task = ray.remote(**plan.trainer)(_grpo_task)
+                current = Path(ray.get(task.remote(recipe, str(stage_dir), str(start_from), plan, group)))
+            finally:
+                if group is not None:
+                    ray.util.remove_placement_group(group)
         elif stage == "eval":
             model_dir = _stored(recipe, current or initial_checkpoint(recipe, out), "eval-start")
             task = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_eval_task)

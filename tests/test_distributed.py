@@ -122,3 +122,43 @@ def test_a_rerun_elsewhere_resumes_from_stored_checkpoints(tmp_path):
     prepare_stage(elsewhere, "distill", tmp_path / "b" / "distill", redo=True)
     assert not (store / "demo" / "distill").exists()
     assert [p.name.startswith("distill.replaced-") for p in (store / "demo").iterdir()].count(True) == 1
+
+
+def test_grpo_placement_reserves_the_gpus_together():
+    """On a cluster of 3 (logical) GPUs: colocated puts the trainer and both engines on one GPU, split gives
+    each its own; the placement group reserves them before anything starts; impossible plans are refused."""
+    ray = pytest.importorskip("ray")
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from pipeline.placement import plan_grpo, reserve
+
+    with pytest.raises(ValueError, match="needs 3 GPUs"):
+        plan_grpo("split", gpus=2, cpus=4, num_engines=2)
+    with pytest.raises(ValueError, match="this cluster has none"):
+        plan_grpo("colocated", gpus=0, cpus=4, num_engines=1)
+    assert plan_grpo("auto", gpus=1, cpus=4, num_engines=2).mode == "colocated"
+    assert plan_grpo("auto", gpus=4, cpus=4, num_engines=2).mode == "split"
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=0)
+        class Probe:
+            def gpus(self):
+                return ray.get_gpu_ids()
+
+        for mode in ("colocated", "split"):
+            plan = plan_grpo(mode, gpus=3, cpus=4, num_engines=2)
+            group = reserve(plan)
+            trainer = Probe.options(**plan.trainer).remote()
+            engines = [Probe.options(**plan.engine, scheduling_strategy=PlacementGroupSchedulingStrategy(group, b))
+                       .remote() for b in plan.engine_bundles]
+            ids = [tuple(ray.get(p.gpus.remote())) for p in (trainer, *engines)]
+            assert all(len(i) == 1 for i in ids), ids
+            assert len(set(ids)) == (1 if mode == "colocated" else 3), (mode, ids)
+            for p in (trainer, *engines):
+                ray.kill(p)
+            ray.util.remove_placement_group(group)
+    finally:
+        ray.shutdown()

@@ -74,11 +74,14 @@ class EngineFleet:
     """
 
     def __init__(self, model, tokenizer=None, num_engines: int = 1, num_gpus: float = 0, num_cpus: float = 1,
-                 resources: dict | None = None, max_restarts: int = 3, weight_sync: str = "object_store",
-                 **engine_kwargs):
+                 resources: dict | None = None, placement_group=None, bundles: list[int] | None = None,
+                 max_restarts: int = 3, weight_sync: str = "object_store", **engine_kwargs):
+        """``placement_group`` / ``bundles``: the group reserved for the stage and each engine's bundle in it
+        (:mod:`pipeline.placement`); a replacement takes its predecessor's bundle."""
         if weight_sync not in ("object_store", "nccl", "gloo"):
             raise ValueError(f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {weight_sync!r}")
         self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None)(RolloutWorker)
+        self._group_of, self._bundles = placement_group, bundles
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
         self.max_restarts, self.restarts = max_restarts, 0
         self.weight_sync = weight_sync
@@ -86,7 +89,15 @@ class EngineFleet:
         # the latest synced weights, for a replacement: an object ref, or (broadcast) the trainer's state dict,
         # whose tensors do not change while the fleet generates (the trainer waits for the rollout)
         self._weights, self._source, self._version = None, None, 0
-        self.workers = [self._actor.remote(*self._args, **self._kwargs) for _ in range(num_engines)]
+        self.workers = [self._start(i) for i in range(num_engines)]
+
+    def _start(self, i: int):
+        actor = self._actor
+        if self._group_of is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            actor = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self._group_of, self._bundles[i]))
+        return actor.remote(*self._args, **self._kwargs)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -118,7 +129,7 @@ class EngineFleet:
         logger.warning("rollout engine %d died (%s); replacing it (%d of at most %d) and resubmitting its requests",
                        i, type(error).__name__, self.restarts, self.max_restarts)
         ray.kill(self.workers[i], no_restart=True)
-        self.workers[i] = self._actor.remote(*self._args, **self._kwargs)
+        self.workers[i] = self._start(i)
         self._group = None  # the broadcast group lost a member: formed anew at the next sync
         if self._weights is None and self._source is not None:
             self._weights = ray.put({k: v.detach().cpu() for k, v in self._source.items()})
