@@ -194,6 +194,10 @@ class RayConfig:
     address: str | None = None
     num_cpus: int | None = bounded(None, ge=1)
     num_gpus: int | None = bounded(None, ge=0)
+    # joining an existing cluster: Ray's runtime_env for every worker (pip, env_vars, ...); ship_project adds
+    # this checkout's packages (py_modules), so that nodes need only the dependencies installed
+    runtime_env: dict = field(default_factory=dict)
+    ship_project: bool = True
 
 
 @dataclass

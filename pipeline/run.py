@@ -89,12 +89,26 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
     return fresh
 
 
+PROJECT_PACKAGES = ("sse_model", "kernels", "pipeline", "rewards", "eval")
+
+
+def runtime_env(recipe: Recipe) -> dict:
+    """What the workers of an existing cluster run with: the recipe's ``ray.runtime_env`` plus, with
+    ``ray.ship_project``, this checkout's packages as Ray ``py_modules`` (uploaded once per content)."""
+    import importlib
+
+    env = dict(recipe.ray.runtime_env)
+    if recipe.ray.ship_project:
+        env["py_modules"] = [*env.get("py_modules", []), *(importlib.import_module(p) for p in PROJECT_PACKAGES)]
+    return env
+
+
 def init_ray(recipe: Recipe, address: str | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or recipe.ray.address
     if address:
-        ray.init(address=address, ignore_reinit_error=True)
+        ray.init(address=address, runtime_env=runtime_env(recipe), ignore_reinit_error=True)
     else:
         ray.init(num_cpus=recipe.ray.num_cpus, num_gpus=recipe.ray.num_gpus, include_dashboard=False,
                  ignore_reinit_error=True, logging_level=logging.WARNING)

@@ -94,6 +94,13 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
         assert (store / "demo" / "grpo" / "final" / MARKER).exists()
         rows = [r for r in read_metrics(tmp_path / "out" / "grpo" / "metrics.jsonl") if "reward" in r]
         assert len(rows) == 2 and all(r["time/weight_sync_s"] > 0 for r in rows)
+
+        @ray.remote(resources={"engine_node": 0.01})
+        def shipped():
+            return ray.get_runtime_context().runtime_env.get("py_modules", [])
+
+        # the job ships the project's packages to the nodes (ray.ship_project): one uploaded package each
+        assert len(ray.get(shipped.remote())) == 5
     finally:
         ray.shutdown()
         cluster.shutdown()
