@@ -169,3 +169,23 @@ def test_grpo_placement_reserves_the_gpus_together():
             ray.util.remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+def test_a_failed_training_worker_fails_the_stage_with_a_resume_hint():
+    ray = pytest.importorskip("ray")
+    from pipeline.distributed import run_data_parallel
+
+    def _fails_on_rank_one() -> int:  # local: Ray ships it by value
+        import os
+
+        if os.environ["RANK"] == "1":
+            raise OSError("disk full")
+        return int(os.environ["WORLD_SIZE"])
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)distill: a data-parallel training worker failed .* resume from its "
+                                               r"last complete checkpoint.*disk full"):
+            run_data_parallel(_fails_on_rank_one, (), 2, {"num_cpus": 1}, "distill")
+    finally:
+        ray.shutdown()
