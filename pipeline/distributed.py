@@ -50,14 +50,16 @@ class TrainWorker:
                 dist.destroy_process_group()
 
 
-def run_data_parallel(fn: Callable, args: tuple, num_workers: int, resources: dict, what: str) -> Any:
-    """Runs ``fn(*args)`` in ``num_workers`` processes joined into one process group; returns rank 0's result.
+def run_data_parallel(fn: Callable, args: tuple, options: list[dict], what: str) -> Any:
+    """Runs ``fn(*args)`` in one process per entry of ``options`` (its Ray resources and scheduling), joined into
+    one process group; returns rank 0's result.
 
     A worker that dies (or raises) fails the whole stage with a message naming ``what`` and the cause; the
     stage's checkpoints are what a re-run resumes from.
     """
-    actor = ray.remote(**resources)(TrainWorker)
-    workers = [actor.remote() for _ in range(num_workers)]
+    num_workers = len(options)
+    actor = ray.remote(TrainWorker)
+    workers = [actor.options(**o).remote() for o in options]
     try:
         places = ray.get([w.where.remote() for w in workers])
         master = places[0][0]

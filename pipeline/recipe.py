@@ -159,7 +159,8 @@ class GRPOStageConfig:
     gradient_accumulation_steps: int = bounded(1, ge=1)
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)
-    num_engines: int = bounded(1, ge=1)
+    num_engines: int = bounded(1, ge=1)  # per trainer worker
+    num_workers: int = bounded(1, ge=1)  # data-parallel trainer processes, each with its own engines
     # colocated: trainer and engines on one GPU (engines sleep while it trains); split: a GPU each; auto: by GPUs
     placement: str = bounded("auto", choices=("auto", "colocated", "split"))
     max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
@@ -247,6 +248,10 @@ class Recipe:
         if rows % g.gradient_accumulation_steps:
             fail("grpo.gradient_accumulation_steps", f"must divide the {rows} completions of a mini-batch "
                  f"(prompts_per_batch / mini_batches * num_generations), got {g.gradient_accumulation_steps}")
+        if g.prompts_per_batch % g.num_workers or rows % (g.gradient_accumulation_steps * g.num_workers):
+            fail("grpo.num_workers", f"{g.num_workers} workers must divide grpo.prompts_per_batch "
+                 f"({g.prompts_per_batch}; each generates whole groups) and the {rows} completions of a mini-batch "
+                 f"into gradient_accumulation_steps ({g.gradient_accumulation_steps}) micro-batches each")
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
         if self.eval.enabled:

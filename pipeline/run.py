@@ -17,7 +17,7 @@ import ray
 import yaml
 
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
-from .distributed import is_main_process, run_data_parallel
+from .distributed import is_main_process, run_data_parallel, world
 from .placement import GRPOPlacement, plan_grpo, reserve
 from .lock import RunLock
 from .metrics import read_metrics
@@ -37,6 +37,7 @@ STAGE_SETTINGS = {
 
 # settings that say how a stage runs, not what it computes: changing them never refuses a re-run
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
+               "grpo.num_workers",
                "distill.num_workers")
 
 
@@ -124,7 +125,7 @@ def placement(recipe: Recipe) -> dict:
         raise ValueError(f"distill.num_workers={workers} needs {workers} GPUs (one per worker); the cluster has {gpus}")
     # a data-parallel training worker: a GPU each, or an equal share of the cores
     train_worker = {"num_cpus": 1, "num_gpus": 1} if gpus else {"num_cpus": max(1, cpus // workers), "num_gpus": 0}
-    grpo = plan_grpo(recipe.grpo.placement, gpus, cpus, recipe.grpo.num_engines)
+    grpo = plan_grpo(recipe.grpo.placement, gpus, cpus, recipe.grpo.num_engines, recipe.grpo.num_workers)
     return {"whole": whole, "train_worker": train_worker, "grpo": grpo, "eval_gpus": 1 if gpus else 0}
 
 
@@ -188,7 +189,7 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
                            device=resolve_device(recipe.device).type,
                            **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),
                            **engine_resources, resources=cfg.engine_resources, placement_group=group,
-                           bundles=plan.engine_bundles)
+                           bundles=plan.engine_bundles[world()[0]] if group is not None else None)
 
     final = run_grpo(recipe, Path(out_dir), materialize(start_from), fleet_factory)
     return _hand_on(recipe, "grpo", final)
@@ -252,7 +253,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
             start = _stored(recipe, current, "distill-start") if current else None
             if recipe.distill.num_workers > 1:
                 current = Path(run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
-                                                 recipe.distill.num_workers, where["train_worker"], "distill"))
+                                                 [where["train_worker"]] * recipe.distill.num_workers, "distill"))
             else:
                 task = ray.remote(**where["whole"])(_distill_task)
                 current = Path(ray.get(task.remote(recipe, str(stage_dir), start)))
@@ -261,8 +262,12 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
             plan = where["grpo"]
             group = reserve(plan)
             try:
-                task = ray.remote(**plan.trainer)(_grpo_task)
-                current = Path(ray.get(task.remote(recipe, str(stage_dir), str(start_from), plan, group)))
+                args = (recipe, str(stage_dir), str(start_from), plan, group)
+                if recipe.grpo.num_workers > 1:
+                    options = [plan.trainer_options(group, r) for r in range(recipe.grpo.num_workers)]
+                    current = Path(run_data_parallel(_grpo_task, args, options, "grpo"))
+                else:
+                    current = Path(ray.get(ray.remote(**plan.trainer_options(group, 0))(_grpo_task).remote(*args)))
             finally:
                 if group is not None:
                     ray.util.remove_placement_group(group)

@@ -186,6 +186,22 @@ def test_a_failed_training_worker_fails_the_stage_with_a_resume_hint():
     try:
         with pytest.raises(RuntimeError, match=r"(?s)distill: a data-parallel training worker failed .* resume from its "
                                                r"last complete checkpoint.*disk full"):
-            run_data_parallel(_fails_on_rank_one, (), 2, {"num_cpus": 1}, "distill")
+            run_data_parallel(_fails_on_rank_one, (), [{"num_cpus": 1}] * 2, "distill")
     finally:
         ray.shutdown()
+
+
+def test_grpo_trains_on_two_data_parallel_workers_each_with_its_engine(tmp_path):
+    """grpo.num_workers=2: two trainer processes in one gloo group, each rolling out its half of the groups on
+    its own engine and syncing it; rank 0 writes the stage's files."""
+    from pipeline.run import run_recipe
+
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", "grpo.steps=2", "grpo.num_workers=2", "ray.num_cpus=4",
+                                  "grpo.max_completion_length=16", "grpo.save_steps=100"])
+    run_recipe(recipe, ("grpo",))
+    rows = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (tmp_path / "grpo" / "engines.json").exists() and (tmp_path / "grpo" / "engines-worker1.json").exists()
+    assert (tmp_path / "grpo" / "final" / "config.json").exists()
+    with pytest.raises(RecipeError, match="grpo.num_workers: 3 workers must divide grpo.prompts_per_batch"):
+        load_recipe("demo", ["grpo.num_workers=3"])

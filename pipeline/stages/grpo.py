@@ -37,6 +37,7 @@ from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty,
 from ..balance import BalanceLossMixin
 from ..checkpoints import CheckpointMarker, is_done, save_final
 from ..data import prompt_dataset
+from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, Timer, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..packing import pack_rows, unpack_per_token
@@ -281,7 +282,8 @@ def grpo_config(recipe: Recipe, out_dir: Path, device) -> SSEGRPOConfig:
     return SSEGRPOConfig(
         **trainer_options(recipe, cfg, out_dir, device),
         max_steps=cfg.steps,
-        per_device_train_batch_size=completions // (cfg.mini_batches * cfg.gradient_accumulation_steps),
+        # the generation batch is global: each data-parallel worker takes whole groups of it
+        per_device_train_batch_size=completions // (cfg.mini_batches * cfg.gradient_accumulation_steps * world()[1]),
         steps_per_generation=cfg.mini_batches * cfg.gradient_accumulation_steps,
         num_iterations=cfg.num_iterations,
         num_generations=cfg.num_generations,
@@ -326,7 +328,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
         engines = fleet.get_stats()
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "engines.json").write_text(json.dumps(engines, indent=1))
+        rank = world()[0]  # each data-parallel worker owns its engines
+        (out_dir / ("engines.json" if rank == 0 else f"engines-worker{rank}.json")).write_text(json.dumps(engines, indent=1))
         logger.info("grpo: %d engine(s): %s", len(engines),
                     [{k: e[k] for k in ("device", "dtype", "max_slots")} for e in engines])
         if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
@@ -341,7 +344,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker(store)],
+            callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker(store)]
+            if is_main_process() else [],
             fleet=fleet,
             timer=timer,
         )
@@ -351,6 +355,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     finally:
         fleet.shutdown()
         verifier.close()
+    if not is_main_process():  # rank 0 writes the stage's files
+        return final
     plot_curves(out_dir / "metrics.jsonl", out_dir / "reward_curve.png",
                 ["reward", "rewards/*", "completions/mean_length", "balance_loss", "time/step_s"], "GRPO")
     return save_final(trainer.model, tokenizer, final, {"stage": "grpo", "global_step": trainer.state.global_step})
