@@ -35,10 +35,10 @@ STAGE_SETTINGS = {
 }
 
 
-# settings that say how a stage runs, not what it computes: changing them never refuses a re-run
+# settings of where and on how many processes a stage runs: changing them never refuses a re-run, so that a
+# stage resumes on another number of workers (the same steps; GRPO's samples are seeded per worker)
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
-               "grpo.num_workers",
-               "distill.num_workers")
+               "grpo.num_workers", "distill.num_workers")
 
 
 class StageSettingsChanged(RecipeError):
