@@ -85,8 +85,6 @@ def materialize(location: str | Path) -> Path:
     of the stored directory, fetched when missing or different from the stored one."""
     if not is_stored(location):
         return Path(location)
-    from pyarrow import fs as pafs
-
     uri = str(location)
     fs, path = _filesystem(uri)
     files = _stored_files(fs, path)
@@ -96,17 +94,30 @@ def materialize(location: str | Path) -> Path:
     if (local / MARKER).exists() and json.loads((local / MARKER).read_text()) == files:
         return local
     tmp = local.with_name(f"{local.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    pafs.copy_files(path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
-    for name, size in files.items():
-        if not (tmp / name).is_file() or (tmp / name).stat().st_size != size:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(f"{uri}: {name} did not arrive whole; the stored copy changed while it was read?")
+    _download(uri, tmp)
+    (tmp / MARKER).write_text(json.dumps(files, indent=1))
     shutil.rmtree(local, ignore_errors=True)
     os.replace(tmp, local)
     logger.info("fetched %s into %s", uri, local)
     return local
+
+
+def _download(uri: str, tmp: Path) -> None:
+    """The complete stored copy at ``uri`` into the fresh folder ``tmp`` (its marker left out), checked."""
+    from pyarrow import fs as pafs
+
+    fs, path = _filesystem(uri)
+    files = _stored_files(fs, path)
+    if files is None:
+        raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    pafs.copy_files(path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    (tmp / MARKER).unlink(missing_ok=True)
+    for name, size in files.items():
+        if not (tmp / name).is_file() or (tmp / name).stat().st_size != size:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(f"{uri}: {name} did not arrive whole; the stored copy changed while it was read?")
 
 
 def is_complete(uri: str) -> bool:
@@ -152,9 +163,7 @@ def fetch_latest_checkpoint(uri: str, local_dir: Path) -> Path | None:
         return None
     target = local_dir / f"checkpoint-{step}"
     tmp = local_dir / f".fetching-checkpoint-{step}-{os.getpid()}"  # data-parallel workers of one node race
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(materialize(source), tmp)
-    (tmp / MARKER).unlink(missing_ok=True)
+    _download(source, tmp)
     try:
         os.replace(tmp, target)
     except OSError:  # another worker of this node put it there first
