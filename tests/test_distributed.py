@@ -145,6 +145,9 @@ def test_grpo_placement_reserves_the_gpus_together():
         plan_grpo("colocated", gpus=0, cpus=4, num_engines=1)
     assert plan_grpo("auto", gpus=1, cpus=4, num_engines=2).mode == "colocated"
     assert plan_grpo("auto", gpus=4, cpus=4, num_engines=2).mode == "split"
+    two = plan_grpo("split", gpus=6, cpus=8, num_engines=2, num_workers=2)  # trainers first, then their engines
+    assert two.trainer_bundles == [0, 1] and two.engine_bundles == [[2, 3], [4, 5]]
+    assert plan_grpo("auto", gpus=2, cpus=8, num_engines=1, num_workers=2).engine_bundles == [[0], [1]]
 
     if ray.is_initialized():
         ray.shutdown()
@@ -158,9 +161,9 @@ def test_grpo_placement_reserves_the_gpus_together():
         for mode in ("colocated", "split"):
             plan = plan_grpo(mode, gpus=3, cpus=4, num_engines=2)
             group = reserve(plan)
-            trainer = Probe.options(**plan.trainer).remote()
+            trainer = Probe.options(**plan.trainer_options(group, 0)).remote()
             engines = [Probe.options(**plan.engine, scheduling_strategy=PlacementGroupSchedulingStrategy(group, b))
-                       .remote() for b in plan.engine_bundles]
+                       .remote() for b in plan.engine_bundles[0]]
             ids = [tuple(ray.get(p.gpus.remote())) for p in (trainer, *engines)]
             assert all(len(i) == 1 for i in ids), ids
             assert len(set(ids)) == (1 if mode == "colocated" else 3), (mode, ids)
