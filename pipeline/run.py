@@ -199,7 +199,7 @@ def _eval_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) 
     from .stages.evaluate import run_eval
 
     _task_setup()
-    return run_eval(recipe, Path(out_dir), materialize(checkpoint), eval_gpus if recipe.eval.num_workers > 1 else 0)
+    return run_eval(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
 
 
 def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
@@ -238,7 +238,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
     init_ray(recipe, address)
     where = placement(recipe)
     logger.info("ray resources %s; placement %s", ray.cluster_resources(), where)
-    current = Path(checkpoint) if checkpoint else None
+    current = str(checkpoint) if checkpoint else None  # a local path or a stored URI (never a Path: "s3://")
     started = time.time()
     timings = {}
     redone = False
@@ -252,11 +252,11 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         if stage == "distill":
             start = _stored(recipe, current, "distill-start") if current else None
             if recipe.distill.num_workers > 1:
-                current = Path(run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
-                                                 [where["train_worker"]] * recipe.distill.num_workers, "distill"))
+                current = run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
+                                            [where["train_worker"]] * recipe.distill.num_workers, "distill")
             else:
                 task = ray.remote(**where["whole"])(_distill_task)
-                current = Path(ray.get(task.remote(recipe, str(stage_dir), start)))
+                current = ray.get(task.remote(recipe, str(stage_dir), start))
         elif stage == "grpo":
             start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo-start")
             plan = where["grpo"]
@@ -265,9 +265,9 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 args = (recipe, str(stage_dir), str(start_from), plan, group)
                 if recipe.grpo.num_workers > 1:
                     options = [plan.trainer_options(group, r) for r in range(recipe.grpo.num_workers)]
-                    current = Path(run_data_parallel(_grpo_task, args, options, "grpo"))
+                    current = run_data_parallel(_grpo_task, args, options, "grpo")
                 else:
-                    current = Path(ray.get(ray.remote(**plan.trainer_options(group, 0))(_grpo_task).remote(*args)))
+                    current = ray.get(ray.remote(**plan.trainer_options(group, 0))(_grpo_task).remote(*args))
             finally:
                 if group is not None:
                     ray.util.remove_placement_group(group)

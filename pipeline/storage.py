@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def upload(local: Path, uri: str) -> str:
     files = {p.relative_to(local).as_posix(): p.stat().st_size
              for p in sorted(local.rglob("*")) if p.is_file() and p.name != MARKER}
     fs, path = _filesystem(uri)
-    if _stored_files(fs, path) == files:  # already there (a re-run of a finished stage)
+    if (_marker(fs, path) or {}).get("files") == files:  # already there (a re-run of a finished stage)
         return uri
     if fs.get_file_info(path).type != pafs.FileType.NotFound:
         fs.delete_dir(path)  # the marker goes first: no reader trusts a copy being replaced
@@ -61,19 +62,28 @@ def upload(local: Path, uri: str) -> str:
     pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     if (local / MARKER).exists():
         fs.delete_file(f"{path}/{MARKER}")  # a materialised copy's own marker: rewritten below
-    with fs.open_output_stream(f"{path}/{MARKER}") as out:
-        out.write(json.dumps(files, indent=1).encode())
+    with fs.open_output_stream(f"{path}/{MARKER}") as out:  # "stored": which upload this is (an identity)
+        out.write(json.dumps({"files": files, "stored": time.time_ns()}, indent=1).encode())
     logger.info("stored %s as %s", local, uri)
     return uri
 
 
-def _stored_files(fs, path: str) -> dict | None:
-    """The marker of a complete stored copy at ``path``, or None."""
+def _marker(fs, path: str) -> dict | None:
+    """The marker of a complete stored copy at ``path`` (``files``: name -> size, ``stored``: when), or None."""
     try:
         with fs.open_input_stream(f"{path}/{MARKER}") as f:
             return json.loads(f.read())
     except FileNotFoundError:
         return None
+
+
+def identity(uri: str) -> str:
+    """What a stored model is, the same on every node: its URI and which upload put it there."""
+    fs, path = _filesystem(uri)
+    marker = _marker(fs, path)
+    if marker is None:
+        raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
+    return f"{uri} [stored {marker['stored']}]"
 
 
 def cache_root() -> Path:
@@ -87,15 +97,15 @@ def materialize(location: str | Path) -> Path:
         return Path(location)
     uri = str(location)
     fs, path = _filesystem(uri)
-    files = _stored_files(fs, path)
-    if files is None:
+    marker = _marker(fs, path)
+    if marker is None:
         raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
     local = cache_root() / hashlib.sha1(uri.encode()).hexdigest()[:16]
-    if (local / MARKER).exists() and json.loads((local / MARKER).read_text()) == files:
+    if (local / MARKER).exists() and json.loads((local / MARKER).read_text()) == marker:
         return local
     tmp = local.with_name(f"{local.name}.partial-{os.getpid()}")
     _download(uri, tmp)
-    (tmp / MARKER).write_text(json.dumps(files, indent=1))
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1))
     shutil.rmtree(local, ignore_errors=True)
     os.replace(tmp, local)
     logger.info("fetched %s into %s", uri, local)
@@ -107,9 +117,10 @@ def _download(uri: str, tmp: Path) -> None:
     from pyarrow import fs as pafs
 
     fs, path = _filesystem(uri)
-    files = _stored_files(fs, path)
-    if files is None:
+    marker = _marker(fs, path)
+    if marker is None:
         raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
+    files = marker["files"]
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     pafs.copy_files(path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
@@ -123,7 +134,7 @@ def _download(uri: str, tmp: Path) -> None:
 def is_complete(uri: str) -> bool:
     """Whether a complete stored copy is at ``uri``."""
     fs, path = _filesystem(uri)
-    return _stored_files(fs, path) is not None
+    return _marker(fs, path) is not None
 
 
 def _stored_checkpoints(uri: str) -> list[tuple[int, str]]:
@@ -135,7 +146,7 @@ def _stored_checkpoints(uri: str) -> list[tuple[int, str]]:
     for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
         step = info.base_name.removeprefix("checkpoint-")
         if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint-") and step.isdigit():
-            if _stored_files(fs, info.path) is not None:
+            if _marker(fs, info.path) is not None:
                 found.append((int(step), f"{uri.rstrip('/')}/{info.base_name}"))
     return sorted(found, reverse=True)
 
@@ -196,3 +207,33 @@ def set_aside(uri: str, suffix: str) -> None:
     except (NotImplementedError, OSError) as error:
         logger.warning("storage: cannot move %s aside (%s); deleting it", uri, error)
         fs.delete_dir(path)
+
+
+def put_files(paths: list[Path], uri: str) -> None:
+    """Copies single files into the folder ``uri`` (replacing files of the same names)."""
+    from pyarrow import fs as pafs
+
+    fs, path = _filesystem(uri)
+    fs.create_dir(path, recursive=True)
+    for p in paths:
+        pafs.copy_files(str(p), f"{path}/{Path(p).name}", source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=fs)
+
+
+def get_files(uri: str, local_dir: Path, pattern: str = "*") -> list[Path]:
+    """Copies the files of the folder ``uri`` whose names match ``pattern`` into ``local_dir``."""
+    from fnmatch import fnmatch
+
+    from pyarrow import fs as pafs
+
+    fs, path = _filesystem(uri)
+    local_dir = Path(local_dir)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    got = []
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        if info.type == pafs.FileType.File and fnmatch(info.base_name, pattern):
+            tmp = local_dir / f".{info.base_name}.fetching-{os.getpid()}"
+            pafs.copy_files(info.path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+            os.replace(tmp, local_dir / info.base_name)
+            got.append(local_dir / info.base_name)
+    return got

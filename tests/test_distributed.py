@@ -62,7 +62,8 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
     """Two Ray nodes on this machine, each with its own cache folder (where it puts the models it fetches) and no
     output path in common: GRPO's trainer on the head, its rollout engine on the second node (asked for with
     grpo.engine_resources), the model reaching the engine only through the recipe's storage location and the
-    weights of every step by broadcast (gloo) from the trainer."""
+    weights of every step by broadcast (gloo) from the trainer; then evaluation on two workers whose shards meet
+    in storage."""
     import json
 
     ray = pytest.importorskip("ray")
@@ -82,8 +83,9 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
     try:
         recipe = load_recipe("demo", [f"output_dir={tmp_path / 'out'}", f"storage={store}", "grpo.steps=2",
                                       "grpo.save_steps=1", "grpo.engine_resources={engine_node: 1}",
-                                      "grpo.weight_sync=broadcast"])
-        run_recipe(recipe, ("grpo",), address=cluster.address)
+                                      "grpo.weight_sync=broadcast", "eval.num_workers=2", "eval.limit=4",
+                                      "eval.repeats=1", "eval.benchmarks=[arithmetic]"])
+        run_recipe(recipe, ("grpo", "eval"), address=cluster.address)
         engine_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("engine_node"))
         (engine,) = json.loads((tmp_path / "out" / "grpo" / "engines.json").read_text())
         assert engine["node"] == engine_node
@@ -94,6 +96,11 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
         assert (store / "demo" / "grpo" / "final" / MARKER).exists()
         rows = [r for r in read_metrics(tmp_path / "out" / "grpo" / "metrics.jsonl") if "reward" in r]
         assert len(rows) == 2 and all(r["time/weight_sync_s"] > 0 for r in rows)
+        # evaluation's two workers stored their shards, and the GRPO model they scored is named by its stored URI
+        stored = sorted(p.name for p in (store / "demo" / "eval" / "generations").iterdir())
+        assert stored == ["arithmetic.settings.json", "arithmetic.shard0of2.jsonl", "arithmetic.shard1of2.jsonl"]
+        summary = json.loads((tmp_path / "out" / "eval" / "summary.json").read_text())
+        assert summary["model"].startswith(storage_uri(str(store), "demo", "grpo", "final"))
 
         @ray.remote(resources={"engine_node": 0.01})
         def shipped():

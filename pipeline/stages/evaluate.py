@@ -12,6 +12,7 @@ from eval.runner import generate, model_identity, score
 
 from ..models import engine_options, load_model, resolve_device
 from ..recipe import Recipe
+from ..storage import get_files, identity, is_stored, materialize, put_files, storage_uri
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,26 @@ def sampling_of(recipe: Recipe) -> SamplingConfig:
                           seed=recipe.seed)
 
 
-def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[int, int]) -> None:
-    """Generation for one shard of every benchmark, with the rollout engine or ``model.generate``."""
+def _shard_store(recipe: Recipe, workers: int) -> str | None:
+    """Where sharded generations meet when the recipe has a storage location (workers on other nodes)."""
+    if recipe.storage is None or workers <= 1:
+        return None
+    return storage_uri(recipe.storage, recipe.name, "eval", "generations")
+
+
+def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> None:
+    """Generation for one shard of every benchmark, with the rollout engine or ``model.generate``. ``location``:
+    the checkpoint, a local path or a stored URI (fetched on this node). With storage, the shard's generations
+    are fetched before (resuming) and stored after, so workers on any node need no common output folder."""
     cfg = recipe.eval
     device = resolve_device(recipe.device)
+    store = _shard_store(recipe, shard[1])
+    generations = Path(out_dir) / "generations"
+    mine = f"*.shard{shard[0]}of{shard[1]}.jsonl"
+    if store is not None:
+        get_files(store, generations, mine)
+    checkpoint = str(materialize(location))
+    model_id = identity(location) if is_stored(location) else model_identity(checkpoint)
     model, tokenizer = load_model(recipe.model, checkpoint)
     model = model.to(device).eval()
     if cfg.backend == "engine":
@@ -47,11 +64,14 @@ def generate_shard(recipe: Recipe, checkpoint: str, out_dir: str, shard: tuple[i
     else:
         backend = HFGenerateBackend(model, tokenizer)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
-             instruction=recipe.prompt_instruction, shard=shard, model_id=model_identity(checkpoint),
+             instruction=recipe.prompt_instruction, shard=shard, model_id=model_id,
              max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
+    if store is not None:
+        put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
 
 
-def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worker: float = 0) -> dict:
+def run_eval(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per_worker: float = 0) -> dict:
+    """``checkpoint``: a local path or a stored URI."""
     out_dir = Path(out_dir)
     workers = recipe.eval.num_workers
     if workers <= 1:
@@ -59,6 +79,9 @@ def run_eval(recipe: Recipe, out_dir: Path, checkpoint: Path, num_gpus_per_worke
     else:
         task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
         ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
+        store = _shard_store(recipe, workers)
+        if store is not None:  # every worker's shards, wherever it ran
+            get_files(store, out_dir / "generations")
     summary = score(out_dir, recipe.eval.benchmarks, recipe.eval.repeats, sampling_of(recipe), recipe.eval.limit,
                     instruction=recipe.prompt_instruction)
     logger.info("eval: wrote %s", out_dir / "results.md")
