@@ -22,6 +22,13 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def free_port() -> int:
+    """A TCP port free on this node now (for a process group's store)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def is_main_process() -> bool:
     """The process that writes a stage's files (metrics, plots, the final model)."""
     return world()[0] == 0
@@ -35,9 +42,7 @@ class TrainWorker:
         return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port()
 
     def run(self, fn: Callable, env: dict[str, str], *args) -> Any:
         os.environ.update(env)

@@ -40,8 +40,9 @@ class FetchError(RuntimeError):
 
 def cache_dir() -> Path:
     """``$SSE_PIPELINE_CACHE/models``, default ``~/.cache/sse-pipeline/models``."""
-    root = os.environ.get("SSE_PIPELINE_CACHE") or Path.home() / ".cache" / "sse-pipeline"
-    return Path(root) / "models"
+    from .storage import cache_home
+
+    return cache_home() / "models"
 
 
 def cached_path(name: str, source: ModelSource, root: Path | None = None) -> Path:

@@ -18,10 +18,10 @@ import yaml
 
 from .checkpoints import is_done, latest_complete_checkpoint, save_final
 from .distributed import is_main_process, run_data_parallel, world
-from .placement import GRPOPlacement, plan_grpo, reserve
 from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
+from .placement import GRPOPlacement, plan_grpo, reserve
 from .recipe import Recipe, RecipeError, recipe_to_dict
 from .storage import is_stored, materialize, set_aside, storage_uri, upload
 

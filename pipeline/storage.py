@@ -77,17 +77,27 @@ def _marker(fs, path: str) -> dict | None:
         return None
 
 
-def identity(uri: str) -> str:
-    """What a stored model is, the same on every node: its URI and which upload put it there."""
+def _complete(uri: str):
+    """``(fs, path, marker)`` of the complete stored copy at ``uri``; refused when its marker is missing."""
     fs, path = _filesystem(uri)
     marker = _marker(fs, path)
     if marker is None:
         raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
-    return f"{uri} [stored {marker['stored']}]"
+    return fs, path, marker
+
+
+def identity(uri: str) -> str:
+    """What a stored model is, the same on every node: its URI and which upload put it there."""
+    return f"{uri} [stored {_complete(uri)[2]['stored']}]"
+
+
+def cache_home() -> Path:
+    """The project's local cache: ``$SSE_PIPELINE_CACHE``, default ``~/.cache/sse-pipeline``."""
+    return Path(os.environ.get("SSE_PIPELINE_CACHE") or Path.home() / ".cache" / "sse-pipeline")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SSE_PIPELINE_CACHE") or Path.home() / ".cache" / "sse-pipeline") / "storage"
+    return cache_home() / "storage"
 
 
 def materialize(location: str | Path) -> Path:
@@ -96,10 +106,7 @@ def materialize(location: str | Path) -> Path:
     if not is_stored(location):
         return Path(location)
     uri = str(location)
-    fs, path = _filesystem(uri)
-    marker = _marker(fs, path)
-    if marker is None:
-        raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
+    marker = _complete(uri)[2]
     local = cache_root() / hashlib.sha1(uri.encode()).hexdigest()[:16]
     if (local / MARKER).exists() and json.loads((local / MARKER).read_text()) == marker:
         return local
@@ -116,10 +123,7 @@ def _download(uri: str, tmp: Path) -> None:
     """The complete stored copy at ``uri`` into the fresh folder ``tmp`` (its marker left out), checked."""
     from pyarrow import fs as pafs
 
-    fs, path = _filesystem(uri)
-    marker = _marker(fs, path)
-    if marker is None:
-        raise FileNotFoundError(f"{uri}: no complete stored copy there (its {MARKER} is missing)")
+    fs, path, marker = _complete(uri)
     files = marker["files"]
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

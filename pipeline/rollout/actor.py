@@ -4,7 +4,6 @@ replaces an engine that dies."""
 from __future__ import annotations
 
 import logging
-import socket
 
 import ray
 import torch
@@ -56,6 +55,11 @@ class RolloutWorker:
 
     def capacity(self, seq_len: int | None = None) -> int:
         return self.engine.capacity(seq_len)
+
+
+def _put(state_dict) -> ray.ObjectRef:
+    """The weights in Ray's object store, once for every engine."""
+    return ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
 
 
 class EngineFleet:
@@ -132,7 +136,7 @@ class EngineFleet:
         self.workers[i] = self._start(i)
         self._group = None  # the broadcast group lost a member: formed anew at the next sync
         if self._weights is None and self._source is not None:
-            self._weights = ray.put({k: v.detach().cpu() for k, v in self._source.items()})
+            self._weights = _put(self._source)
         if self._weights is not None:
             ray.get(self.workers[i].update_weights.remote(self._weights, self._version))
 
@@ -145,7 +149,7 @@ class EngineFleet:
             except (RuntimeError, ray.exceptions.RayError) as error:  # a member died mid-sync
                 logger.warning("weight broadcast failed (%s); this sync goes through the object store", error)
                 self._group = None
-        self._weights = ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
+        self._weights = _put(state_dict)
         futures = [w.update_weights.remote(self._weights, self._version) for w in self.workers]
         versions = []
         for i, future in enumerate(futures):
@@ -161,10 +165,9 @@ class EngineFleet:
 
         self._weights, self._source = None, state_dict
         if self._group is None:
-            host = ray.util.get_node_ip_address()
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
+            from ..distributed import free_port
+
+            host, port = ray.util.get_node_ip_address(), free_port()
             world = len(self.workers) + 1
             joined = [w.join_weight_sync.remote(host, port, i + 1, world, self.weight_sync)
                       for i, w in enumerate(self.workers)]
