@@ -78,13 +78,13 @@ def _rms_bwd(x, w, gate, dy, rstd, dx, dgate, dw, M, D, ROWS_PER_PROG, HAS_GATE:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, gate, eps):
+    def forward(ctx, x, weight, gate, eps, out_dtype):
         shape = x.shape
         D = shape[-1]
         x2 = x.reshape(-1, D).contiguous()
         g2 = None if gate is None else gate.reshape(-1, D).contiguous()
         M = x2.shape[0]
-        y = torch.empty_like(x2)
+        y = torch.empty_like(x2, dtype=out_dtype)
         rstd = torch.empty(M, device=x.device, dtype=torch.float32)
         BD = triton.next_power_of_2(D)
         BM = _rows_per_program(BD)
@@ -112,14 +112,15 @@ class _RMSNorm(torch.autograd.Function):
                               M, D, rows_per_prog, HAS_GATE=g2 is not None, BD=BD, BM=BM,
                               num_warps=4 if BD <= 1024 else 8)
         shape = ctx.shape
-        return (dx.view(shape), dw.sum(0).to(weight.dtype), None if dgate is None else dgate.view(shape), None)
+        return (dx.view(shape), dw.sum(0).to(weight.dtype), None if dgate is None else dgate.view(shape), None, None)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None):
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None):
     """Drop-in for :func:`sse_model.ops.fused.rms_norm`; None declines (rows too long, float64)."""
     if x.shape[-1] > MAX_ROW or x.dtype == torch.float64 or (gate is not None and gate.shape != x.shape):
         return None
-    return _RMSNorm.apply(x, weight, gate, eps)
+    return _RMSNorm.apply(x, weight, gate, eps, x.dtype if out_dtype is None else out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

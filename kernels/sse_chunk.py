@@ -56,11 +56,13 @@ CHUNK = 64
 
 
 @triton.jit
-def _rows(start, end, L, tok, rw, ww, wm, C: tl.constexpr):
-    """Token index, validity and (read weight, write weight, write mask) of rows ``start .. start + C``."""
+def _rows(start, end, L, tok, rw, ww, wm, C: tl.constexpr, SPARSE: tl.constexpr):
+    """Token index, validity and (read weight, write weight, write mask) of rows ``start .. start + C``, which
+    are sparse pairs or shared rows as ``SPARSE`` says (a compile-time choice: no branch inside the loops that
+    walk a segment, so their loads can be pipelined)."""
     rows = start + tl.arange(0, C)
     valid = rows < end
-    if start >= L:
+    if SPARSE:
         idx = rows - L
         t = tl.load(tok + idx, mask=valid, other=0).to(tl.int64)
         a = tl.load(rw + idx, mask=valid, other=0.0).to(tl.float32)
@@ -98,11 +100,11 @@ def _dot(a, b, DT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C: tl.constexpr):
+def _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C: tl.constexpr, SPARSE: tl.constexpr):
     """First row and rows (see :func:`_rows`) of chunk ``gid``."""
     start = tl.load(chunk_start + gid).to(tl.int64)
     end = tl.load(cu_seg + tl.load(chunk_seg + gid) + 1).to(tl.int64)
-    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C)
+    t, valid, a, b, m = _rows(start, end, L, tok, rw, ww, wm, C, SPARSE)
     return start, t, valid, a, b, m
 
 
@@ -188,6 +190,24 @@ def _intra_grads(dA, q, k, gc, C: tl.constexpr, DT: tl.constexpr, IEEE: tl.const
 # kernels
 
 
+@triton.jit
+def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
+            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, DT: tl.constexpr,
+            IEEE: tl.constexpr, SPARSE: tl.constexpr):
+    """The state pass over one segment's chunks from state ``b_h``: stores each chunk's initial state at
+    ``h_tile`` (chunk after chunk), returns the final one."""
+    for j in range(0, tl.cdiv(eos - bos, C)):
+        tl.store(h_tile + j * H * K * V, b_h.to(h_tile.dtype.element_ty), mask=tmask)
+        t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, ww, ww, wm, C, SPARSE)
+        kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
+        gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+        vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
+        gc = tl.cumsum(gg, axis=0)
+        gl = tl.sum(gg, axis=0)
+        b_h = b_h * tl.exp2(gl)[:, None] + _dot(tl.trans(kk * tl.exp2(gl[None, :] - gc)), vv, DT, IEEE)
+    return b_h
+
+
 @triton.jit(do_not_specialize=["L", "S", "NP"])
 def _fwd_h(
     k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off,
@@ -198,22 +218,16 @@ def _fwd_h(
     i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
-    if seg >= S:
-        k_ptr, g_ptr = k_sp, g_sp
-    else:
-        k_ptr, g_ptr = k_sh, g_sh
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
-    for j in range(0, tl.cdiv(eos - bos, C)):
-        tl.store(h + ((c0 + j) * H + i_h) * K * V + tile, b_h.to(h.dtype.element_ty), mask=tmask)
-        t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, ww, ww, wm, C)
-        kk = _load(k_ptr, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
-        gg = _load(g_ptr, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
-        vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
-        gc = tl.cumsum(gg, axis=0)
-        gl = tl.sum(gg, axis=0)
-        b_h = b_h * tl.exp2(gl)[:, None] + _dot(tl.trans(kk * tl.exp2(gl[None, :] - gc)), vv, DT, IEEE)
+    h_tile = h + (c0 * H + i_h) * K * V + tile
+    if seg >= S:
+        b_h = _walk_h(k_sp, g_sp, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
+                      H, K, V, C, DT, IEEE, True)
+    else:
+        b_h = _walk_h(k_sh, g_sh, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
+                      H, K, V, C, DT, IEEE, False)
     if STORE_HT:
         tl.store(ht + (srow * H + i_h) * K * V + tile, b_h, mask=tmask)
 
@@ -224,13 +238,13 @@ def _fwd_o(
     L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
-    SAFE: tl.constexpr,
+    SAFE: tl.constexpr, SPARSE: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
-    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C)
+    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C, SPARSE)
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
     vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
@@ -255,6 +269,26 @@ def _fwd_o(
         _store(o, b_o, start - L + rows, valid, i_h, H, V, offs_v, mv, False)
 
 
+@triton.jit
+def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv, tmask,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, DT: tl.constexpr,
+             IEEE: tl.constexpr, SPARSE: tl.constexpr):
+    """The state-gradient pass over one segment's chunks, last to first, from ``b_dh``: stores the gradient
+    of each chunk's final state at ``dh_tile`` (chunk after chunk), returns that of the initial state."""
+    n = tl.cdiv(eos - bos, C)
+    for jj in range(0, n):
+        j = n - 1 - jj
+        tl.store(dh_tile + j * H * K * V, b_dh.to(dh_tile.dtype.element_ty), mask=tmask)
+        t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, rw, rw, wm, C, SPARSE)
+        qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
+        gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
+        dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
+        gc = tl.cumsum(gg, axis=0)
+        gl = tl.sum(gg, axis=0)
+        b_dh = b_dh * tl.exp2(gl)[:, None] + _dot(tl.trans(qq * tl.exp2(gc) * scale), dd, DT, IEEE)
+    return b_dh
+
+
 @triton.jit(do_not_specialize=["L", "S", "NP", "scale"])
 def _bwd_dh(
     q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, scale,
@@ -265,24 +299,16 @@ def _bwd_dh(
     i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
-    if seg >= S:
-        q_ptr, g_ptr = q_sp, g_sp
-    else:
-        q_ptr, g_ptr = q_sh, g_sh
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
-    n = tl.cdiv(eos - bos, C)
-    for jj in range(0, n):
-        j = n - 1 - jj
-        tl.store(dh + ((c0 + j) * H + i_h) * K * V + tile, b_dh.to(dh.dtype.element_ty), mask=tmask)
-        t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, rw, rw, wm, C)
-        qq = _load(q_ptr, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
-        gg = _load(g_ptr, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
-        dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
-        gc = tl.cumsum(gg, axis=0)
-        gl = tl.sum(gg, axis=0)
-        b_dh = b_dh * tl.exp2(gl)[:, None] + _dot(tl.trans(qq * tl.exp2(gc) * scale), dd, DT, IEEE)
+    dh_tile = dh + (c0 * H + i_h) * K * V + tile
+    if seg >= S:
+        b_dh = _walk_dh(q_sp, g_sp, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv,
+                        tmask, H, K, V, C, DT, IEEE, True)
+    else:
+        b_dh = _walk_dh(q_sh, g_sh, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv,
+                        tmask, H, K, V, C, DT, IEEE, False)
     if STORE_DH0:
         tl.store(dh0 + (srow * H + i_h) * K * V + tile, b_dh, mask=tmask)
 
@@ -293,13 +319,13 @@ def _bwd_dv(
     L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
-    SAFE: tl.constexpr,
+    SAFE: tl.constexpr, SPARSE: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
-    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C)
+    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C, SPARSE)
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
     dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
@@ -330,13 +356,13 @@ def _bwd_dqkg(
     L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK: tl.constexpr, NV: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, GATE_GRADS: tl.constexpr,
-    DT: tl.constexpr, IEEE: tl.constexpr, SAFE: tl.constexpr,
+    DT: tl.constexpr, IEEE: tl.constexpr, SAFE: tl.constexpr, SPARSE: tl.constexpr,
 ):
     i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
-    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C)
+    start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C, SPARSE)
     rows = tl.arange(0, C)
     offs_k = i_k * BK + tl.arange(0, BK)
     mk = offs_k < K
@@ -528,14 +554,14 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
     _fwd_o[(NV, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, v, h, o, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, ACCUM=False, **common,
+        OUT_BY_TOKEN=True, ACCUM=False, SPARSE=False, **common,
     )
     if sparse:
         by_token = call.position.shape[1] == 1
         out = o if by_token else torch.empty(call.tok.numel(), H, V, device=v.device, dtype=torch.float32)
         _fwd_o[(NV, plan.launch_sparse.numel(), H)](
             q_sp, k_sp, g_sp, v, h, out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, ACCUM=by_token, **common,
+            OUT_BY_TOKEN=by_token, ACCUM=by_token, SPARSE=True, **common,
         )
         if not by_token:
             o = (o.float() + out[call.position].sum(1)).to(v.dtype)
@@ -570,12 +596,12 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     dv = torch.empty_like(v)
     _bwd_dv[(NV, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, do, dh, dv, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, ACCUM=False, **dv_cfg,
+        OUT_BY_TOKEN=True, ACCUM=False, SPARSE=False, **dv_cfg,
     )
     grads = [torch.empty_like(x) for x in (q_sh, k_sh, g_sh)]
     _bwd_dqkg[(NK, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, v, do, h, dh, *grads, dummy, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, GATE_GRADS=False, **dq_cfg,
+        OUT_BY_TOKEN=True, GATE_GRADS=False, SPARSE=False, **dq_cfg,
     )
     sparse_grads = [None] * 5
     if sparse:
@@ -584,7 +610,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         dv_out = dv if by_token else torch.empty(P, H, V, device=v.device, dtype=torch.float32)
         _bwd_dv[(NV, plan.launch_sparse.numel(), H)](
             q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, ACCUM=by_token, **dv_cfg,
+            OUT_BY_TOKEN=by_token, ACCUM=by_token, SPARSE=True, **dv_cfg,
         )
         if by_token:
             outs = [torch.empty_like(x) for x in (q_sp, k_sp, g_sp)]
@@ -594,7 +620,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         dab = torch.empty(P, 2, H, NK, device=v.device, dtype=torch.float32)
         _bwd_dqkg[(NK, plan.launch_sparse.numel(), H)](
             q_sp, k_sp, g_sp, v, do, h, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, GATE_GRADS=True, **dq_cfg,
+            OUT_BY_TOKEN=by_token, GATE_GRADS=True, SPARSE=True, **dq_cfg,
         )
         if not by_token:
             outs = [x[call.position].sum(1).to(ref.dtype) for x, ref in zip(outs, (q_sp, k_sp, g_sp))]

@@ -9,9 +9,19 @@ import torch.nn.functional as F
 from .ops.dispatch import rms_norm
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the matrix products that read ``x`` compute in: autocast's where it is on, else ``x``'s."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, weight named ``weight`` (Llama and fla layout); see
-    :func:`sse_model.ops.fused.rms_norm`."""
+    :func:`sse_model.ops.fused.rms_norm`. Under autocast the output is written in autocast's dtype: every
+    layer reads a norm's output only through matrix products, which would each cast it again (and, in the
+    backward, cast and sum each one's input gradient in float32)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -19,14 +29,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, out_dtype=compute_dtype(x))
 
 
 class GatedRMSNorm(RMSNorm):
     """``RMSNorm(x) * silu(gate)``: the GLA output norm and gate (fla ``FusedRMSNormGated``)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, gate)
+        return rms_norm(x, self.weight, self.eps, gate, out_dtype=compute_dtype(x))
 
 
 def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:

@@ -269,6 +269,41 @@ def test_rms_norm_kernel_matches_reference(gated, dtype, D):
         assert_close(a.float().cpu(), b, tol, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_rms_norm_kernel_writes_the_compute_dtype(gated):
+    """Under autocast a float32 residual stream is normalised into bfloat16 in the same pass: the output is the
+    float32 result rounded once, the input gradient float32 from a bfloat16 output gradient."""
+    from kernels.fused import rms_norm_triton
+    from sse_model.ops.fused import rms_norm
+
+    D = 96
+    x, weight = torch.randn(4, 21, D), torch.rand(D) + 0.5
+    gate = torch.randn(4, 21, D) if gated else None
+    dy = torch.randn(4, 21, D).to(torch.bfloat16)
+    leaves_ref = [t.detach().clone().requires_grad_() for t in (x, weight) + ((gate,) if gated else ())]
+    ref = rms_norm(leaves_ref[0], leaves_ref[1], 1e-6, leaves_ref[2] if gated else None, torch.bfloat16)
+    assert ref.dtype == torch.bfloat16
+    grads_ref = torch.autograd.grad(ref, leaves_ref, dy)
+    leaves = [t.detach().to(DEVICE).requires_grad_() for t in (x, weight) + ((gate,) if gated else ())]
+    out = rms_norm_triton(leaves[0], leaves[1], 1e-6, leaves[2] if gated else None, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out, leaves, dy.to(DEVICE))
+    assert_close(out.float().cpu(), ref.float(), torch.bfloat16, "output")
+    for name, a, b in zip(["x", "weight", "gate"], grads, grads_ref):
+        assert a.dtype == torch.float32
+        assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
+
+
+def test_norm_output_follows_autocast():
+    from sse_model.modules import GatedRMSNorm, RMSNorm
+
+    x = torch.randn(2, 5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert RMSNorm(64)(x).dtype == torch.bfloat16
+        assert GatedRMSNorm(64)(x, x).dtype == torch.bfloat16
+    assert RMSNorm(64)(x).dtype == torch.float32
+
+
 @pytest.mark.parametrize("q_act,k_act", [("silu", "softmax"), ("identity", "silu"), ("softmax", "identity")])
 @pytest.mark.parametrize("lora_side", ["sparse", "shared"])
 def test_sse_features_kernel_matches_reference(q_act, k_act, lora_side):

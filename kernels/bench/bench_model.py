@@ -51,7 +51,7 @@ def print_profile(label: str, step) -> None:
     from torch.autograd import DeviceType
 
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
@@ -81,6 +81,12 @@ def print_profile(label: str, step) -> None:
     print("\n| kernel | ms | launches |\n|---|---|---|")
     for name, (ms, n) in sorted(by_name.items(), key=lambda x: -x[1][0])[:25]:
         print(f"| {name[:90]} | {ms:.1f} | {n} |")
+    # the operators behind those kernels (GPU time they launched themselves, by input shapes): which module's
+    # glue an elementwise kernel belongs to
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    print("\n| operator | input shapes | ms | calls |\n|---|---|---|---|")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]:
+        print(f"| {e.key[:40]} | {str(e.input_shapes)[:80]} | {e.self_device_time_total / 1e3:.1f} | {e.count} |")
 
 
 def measure(kind: str, B: int, T: int, steps: int, profile: bool = False, checkpointing: bool = True) -> dict:

@@ -50,7 +50,7 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60)
 
 
-def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False):
+def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False, heads=H):
     from sse_model.ops.sse import Branch
 
     def make(*shape, fn=None):
@@ -59,10 +59,10 @@ def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False):
         return x.to(dtype).requires_grad_(grad)
 
     def side():
-        return Branch(make(B, T, H, D), make(B, T, H, D, fn=lambda x: x.softmax(-1)),
-                      make(B, T, H, D, fn=lambda x: F.logsigmoid(x) / 16))
+        return Branch(make(B, T, heads, D), make(B, T, heads, D, fn=lambda x: x.softmax(-1)),
+                      make(B, T, heads, D, fn=lambda x: F.logsigmoid(x) / 16))
 
-    return side(), side(), make(B, T, H, D), make(B, T, N)
+    return side(), side(), make(B, T, heads, D), make(B, T, N)
 
 
 def sse_call(inputs, impl="auto", K=1):

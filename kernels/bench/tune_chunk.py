@@ -5,7 +5,9 @@ one SSE forward+backward) under each candidate :class:`~kernels.sse_chunk.Kernel
 their current one; prints a table and the best choice per kernel, which ``CONFIGS`` in ``sse_chunk.py``
 records. ``--then-bench`` runs the chunk table of ``bench_sse`` with the best choices in the same process.
 
-    python -m kernels.bench.tune_chunk [--B 4 --T 32768] [--kernels fwd bwd_dv] [--then-bench]
+    python -m kernels.bench.tune_chunk [--B 4 --T 32768 --H 18] [--kernels fwd_o bwd_dv] [--then-bench]
+
+(``--B 8 --T 4096 --H 8`` and ``--B 2 --T 16384 --H 8``: one layer of the model benchmark's training steps.)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--B", type=int, default=4)
     parser.add_argument("--T", type=int, default=32768)
+    parser.add_argument("--H", type=int, default=18, help="heads")
     parser.add_argument("--kernels", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--then-bench", action="store_true")
     args = parser.parse_args()
@@ -53,9 +56,9 @@ def main() -> None:
     import kernels
 
     kernels.register()
-    inputs = sse_inputs(args.B, args.T, 4, grad=True)
+    inputs = sse_inputs(args.B, args.T, 4, grad=True, heads=args.H)
     step = fwd_bwd(sse_call(inputs), leaves_of(inputs))
-    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H=18, D=128, N=4, K=1, bf16, one f+b)\n")
+    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H={args.H}, D=128, N=4, K=1, bf16, one f+b)\n")
     print("| kernel | BK | BV | warps | stages | ms |")
     print("|---|---|---|---|---|---|")
     for name in args.kernels:

@@ -201,14 +201,15 @@ def linear_decode(transition, pool, slots, q, k, v, g, beta=None, *, scale=None,
     return o
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm (optionally gated) through the dispatch point; see :func:`sse_model.ops.fused.rms_norm`."""
     backend = active_backend(x)
     if backend is not None and backend.rms_norm is not None:
-        out = backend.rms_norm(x, weight, eps, gate)
+        out = backend.rms_norm(x, weight, eps, gate, out_dtype)
         if out is not None:
             return out
-    return fused.rms_norm(x, weight, eps, gate)
+    return fused.rms_norm(x, weight, eps, gate, out_dtype)
 
 
 def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options):

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 ACTIVATIONS = ("identity", "silu", "softmax")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dim, times ``silu(gate)`` when a gate is given (GLA's output
-    norm); computed in float32 (float64 for float64 inputs), returned in ``x``'s dtype."""
-    dtype = x.dtype
+    norm); computed in float32 (float64 for float64 inputs), returned in ``out_dtype`` (default ``x``'s)."""
+    dtype = x.dtype if out_dtype is None else out_dtype
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     x32 = x.to(wide)
     y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.to(wide)
