@@ -38,6 +38,7 @@ compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests ho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -494,13 +495,15 @@ class KernelConfig:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Chosen on an H100 at the 2B layer shape (K = V = 128) with ``kernels/bench/tune_chunk.py``; fixed configs
-# instead of autotuning keep the first step's compilation short.
+# Chosen on an H100 with ``kernels/bench/tune_chunk.py`` at head dims K = V = 128, at the model benchmark's
+# layer shapes (8 x 4k and 2 x 16k tokens, 8 heads; the per-chunk kernels also at 32 x 4k, 18 heads): fixed
+# configs instead of autotuning keep the first step's compilation short. 128-wide value blocks read q / k / g
+# once per chunk in the output and dv kernels.
 CONFIGS = {
     "fwd_h": KernelConfig(64, 64, 4),
-    "fwd_o": KernelConfig(32, 64, 4),
-    "bwd_dh": KernelConfig(64, 64, 4),
-    "bwd_dv": KernelConfig(32, 64, 4),
+    "fwd_o": KernelConfig(32, 128, 4),
+    "bwd_dh": KernelConfig(64, 128, 4),
+    "bwd_dv": KernelConfig(32, 128, 4),
     "bwd_dqkg": KernelConfig(32, 64, 4),
 }
 
@@ -521,6 +524,20 @@ class _Call:
     scale: float
     output_final_state: bool
     safe: float = SAFE_LOG2
+
+    def op_args(self) -> tuple:
+        """This call as the arguments of :func:`chunk_forward` (an operator takes tensors and scalars only)."""
+        p = self.plan
+        tables = [p.cu_seg, p.chunk_off, p.chunk_seg, p.chunk_start, p.launch_shared, p.launch_sparse, self.tok,
+                  self.position]
+        return tables, p.num_seqs, p.num_sparse_partitions, p.chunk, self.scale, self.output_final_state, self.safe
+
+    @classmethod
+    def from_op_args(cls, tables, num_seqs, num_sparse_partitions, chunk, scale, output_final_state, safe) -> "_Call":
+        cu_seg, chunk_off, chunk_seg, chunk_start, launch_shared, launch_sparse, tok, position = tables
+        plan = ChunkPlan(cu_seg, chunk_off, chunk_seg, chunk_start, launch_shared, launch_sparse, num_seqs,
+                         num_sparse_partitions, chunk)
+        return cls(plan, tok, position, scale, output_final_state, safe)
 
 
 def _dot_type(v: torch.Tensor):
@@ -629,10 +646,34 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     return (*grads, *sparse_grads[:3], dv, *sparse_grads[3:], dh0)
 
 
+@torch.library.custom_op("sse_kernels::chunk_forward", mutates_args=())
+def chunk_forward(inputs: Sequence[Optional[torch.Tensor]], tables: Sequence[Optional[torch.Tensor]], num_seqs: int,
+                  num_sparse_partitions: int, chunk: int, scale: float, output_final_state: bool,
+                  safe: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernels as one operator, so that gradient checkpointing can keep its outputs instead of
+    running it again (``sse_model.modeling_sse.keep_linear_attention``). ``inputs``: the differentiable tensors
+    of :class:`_ChunkFunction`; the rest: :meth:`_Call.op_args`. Returns the output, the final states (empty
+    when not asked for) and the chunk states."""
+    call = _Call.from_op_args(tables, num_seqs, num_sparse_partitions, chunk, scale, output_final_state, safe)
+    o, ht, h = _forward(call, *inputs)
+    return o, (o.new_empty(0) if ht is None else ht), h
+
+
+@chunk_forward.register_fake
+def _(inputs, tables, num_seqs, num_sparse_partitions, chunk, scale, output_final_state, safe):
+    q, v = inputs[0], inputs[6]
+    (L, H, K), V = q.shape, v.shape[-1]
+    o = v.new_empty(L, H, V)
+    ht = v.new_empty((num_seqs * (1 + num_sparse_partitions), H, K, V) if output_final_state else (0,),
+                     dtype=torch.float32)
+    return o, ht, v.new_empty(tables[2].numel(), H, K, V)
+
+
 class _ChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
-        o, ht, h = _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
+        o, ht, h = chunk_forward([q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0], *call.op_args())
+        ht = ht if call.output_final_state else None
         ctx.call = call
         # the chunk states are kept rather than recomputed by the backward (one state pass less per step:
         # ~9% of an SSE layer's kernel time); they are [chunks, H, K, V], about K / C times the size of k,

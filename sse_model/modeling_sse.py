@@ -7,10 +7,12 @@ Module names follow flash-linear-attention's SSE models (``model.embeddings``, `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -23,6 +25,7 @@ from .layers.common import ForwardContext
 from .layers.linear import LinearAttention, init_gdn_decay
 from .layers.sse import SSEAttention
 from .modules import RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLUMLP
+from .ops.dispatch import kept_under_checkpointing
 from .ops.varlen import check_cu_seqlens, cu_seqlens_from_position_ids
 
 
@@ -56,12 +59,31 @@ class SSEBlock(GradientCheckpointingLayer):
         return hidden_states, aux_loss
 
 
+def keep_linear_attention():
+    """Selective checkpointing contexts (``torch.utils.checkpoint``'s ``context_fn``): the operators a backend
+    names in ``checkpoint_keeps`` (the chunked linear-attention forward) are kept from the forward, the rest of
+    the block is recomputed in the backward as usual."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if kept_under_checkpointing(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class SSEPreTrainedModel(PreTrainedModel):
     config_class = SSEConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SSEBlock"]
     _supports_sdpa = True
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, **kwargs):
+        """transformers' hook, plus ``config.checkpointing_keeps_linear_attention`` for non-reentrant
+        checkpointing that was given no ``context_fn`` of its own."""
+        options = getattr(gradient_checkpointing_func, "keywords", {})
+        if (enable and self.config.checkpointing_keeps_linear_attention and options.get("use_reentrant") is False
+                and "context_fn" not in options):
+            gradient_checkpointing_func = partial(gradient_checkpointing_func, context_fn=keep_linear_attention)
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -324,3 +324,46 @@ def test_sse_features_kernel_matches_reference(q_act, k_act, lora_side):
         assert_close(a.cpu(), b, torch.float32, f"output {name}")
     for name, a, b in zip(["q", "q lora", "k", "k lora", "gk shared", "gk sparse"], grads, grads_ref):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# gradient checkpointing keeps the chunk kernels' forward
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
+    """With ``checkpointing_keeps_linear_attention`` a checkpointed SSE / GLA block runs the chunk forward once
+    per step (its outputs kept for the backward), not twice; the gradients are those of a run without
+    checkpointing either way."""
+    from kernels import sse_chunk
+    from kernels.backend import linear_op
+    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_BACKENDS", [])
+    dispatch.register_backend(dispatch.Backend(  # the chunk kernels for CPU tensors (Triton's interpreter)
+        "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton,
+        checkpoint_keeps=(sse_chunk.chunk_forward._opoverload,)))
+    calls = []
+    forward = sse_chunk._forward
+    monkeypatch.setattr(sse_chunk, "_forward", lambda *a: calls.append(1) or forward(*a))
+    config = SSEConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, mixer_types=["sse", "gla"],
+                       num_heads=2, head_dim=16, num_attention_heads=2, intermediate_size=64,
+                       checkpointing_keeps_linear_attention=keep)
+    torch.manual_seed(0)
+    model = SSEForCausalLM(config).train()
+    ids = torch.randint(0, 61, (2, 40))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    assert len(calls) == 2
+    calls.clear()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = grads()
+    assert len(calls) == (2 if keep else 4)
+    for a, b in zip(checkpointed, plain):
+        assert_close(a, b, torch.float32, "gradient under checkpointing")

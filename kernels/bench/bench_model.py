@@ -2,12 +2,13 @@
 
 A 24-layer, hidden-1024 model (8 heads of 128; the hybrids put one softmax-attention layer after every five
 linear ones) with random weights takes forward+backward steps under bf16 autocast with gradient
-checkpointing (float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s, the first
+checkpointing (non-reentrant, as the pipeline's trainers use it: the chunk kernels' outputs are kept, see
+``checkpointing_keeps_linear_attention``; float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s, the first
 step's time (compilation included; models run in the order given, so kernels shared with an earlier model
 are already compiled), and peak memory.
 
     python -m kernels.bench.bench_model [--shapes 8x4096 2x16384] [--models transformer gla-h sse-h]
-        [--profile sse-h ...] [--no-checkpointing]
+        [--profile sse-h ...] [--no-checkpointing | --recompute-chunks]
 
 ``--profile`` prints, per model named, one step's wall time against GPU busy time, GPU time by category
 (chunk kernels, attention, matmuls, fused norms, routing, everything elementwise) and the top kernels.
@@ -27,11 +28,12 @@ from sse_model.configuration_sse import hybrid_mixer_types
 LAYERS, HIDDEN, HEADS = 24, 1024, 8
 
 
-def model_config(kind: str) -> SSEConfig:
+def model_config(kind: str, keep_chunks: bool = True) -> SSEConfig:
     mixers = {"transformer": ["attn"] * LAYERS, "gla-h": hybrid_mixer_types(LAYERS, "gla"),
               "sse-h": hybrid_mixer_types(LAYERS, "sse")}[kind]
     return SSEConfig(vocab_size=32000, hidden_size=HIDDEN, num_hidden_layers=LAYERS, mixer_types=mixers,
-                     num_heads=HEADS, head_dim=128, num_attention_heads=HEADS, max_position_embeddings=65536)
+                     num_heads=HEADS, head_dim=128, num_attention_heads=HEADS, max_position_embeddings=65536,
+                     checkpointing_keeps_linear_attention=keep_chunks)
 
 
 CATEGORIES = [  # (category, pattern of kernel names), first match wins
@@ -89,11 +91,12 @@ def print_profile(label: str, step) -> None:
         print(f"| {e.key[:40]} | {str(e.input_shapes)[:80]} | {e.self_device_time_total / 1e3:.1f} | {e.count} |")
 
 
-def measure(kind: str, B: int, T: int, steps: int, profile: bool = False, checkpointing: bool = True) -> dict:
+def measure(kind: str, B: int, T: int, steps: int, profile: bool = False, checkpointing: bool = True,
+            keep_chunks: bool = True) -> dict:
     torch.manual_seed(0)
-    model = SSEForCausalLM(model_config(kind)).cuda().train()
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    model = SSEForCausalLM(model_config(kind, keep_chunks)).cuda().train()
+    if checkpointing:  # as the pipeline's trainers do
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (B, T), device="cuda")
 
@@ -131,6 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", nargs="*", default=[], help="models to profile: time by category, top kernels, host syncs")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
+    parser.add_argument("--recompute-chunks", action="store_true",
+                        help="checkpointing recomputes the chunk kernels' forward too (checkpointing_keeps_linear_attention=False)")
     args = parser.parse_args()
     import kernels
 
@@ -142,11 +147,13 @@ def main() -> None:
         B, T = map(int, shape.split("x"))
         base = None
         for kind in args.models:
-            r = measure(kind, B, T, args.steps, kind in args.profile, not args.no_checkpointing)
+            r = measure(kind, B, T, args.steps, kind in args.profile, not args.no_checkpointing,
+                        not args.recompute_chunks)
             base = base or (r["tokens_per_s"] if kind == "transformer" else None)
             rows.append((shape, kind, r, r["tokens_per_s"] / base if base else float("nan")))
             print(f"  {shape} {kind}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
-    recompute = "no checkpointing" if args.no_checkpointing else "checkpointing"
+    recompute = ("no checkpointing" if args.no_checkpointing else
+                 "checkpointing" + (" (chunk kernels recomputed)" if args.recompute_chunks else " (chunk outputs kept)"))
     print(f"\n### Training step, {LAYERS} layers x {HIDDEN}, bf16 autocast + {recompute}, forward+backward\n")
     print("| shape | model | params | tokens/s | vs Transformer | step s | first step s | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
