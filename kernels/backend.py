@@ -57,7 +57,7 @@ def register() -> None:
     from .decode import linear_decode_triton, sse_decode_triton
     from .fused import rms_norm_triton, sse_features_triton
     from .routing import route_triton
-    from .sse_chunk import chunk_forward, sse_chunk_triton
+    from .sse_chunk import sse_chunk_triton
 
     register_backend(Backend(
         name="triton",
@@ -69,5 +69,4 @@ def register() -> None:
         route=route_triton,
         rms_norm=rms_norm_triton,
         sse_features=sse_features_triton,
-        checkpoint_keeps=(chunk_forward._opoverload,),
     ))

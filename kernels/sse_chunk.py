@@ -38,12 +38,12 @@ compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from sse_model.ops.checkpointing import kept_outputs
 from sse_model.ops.sse import Branch, Routing, SSEOptions, VarlenPlan
 from sse_model.ops.varlen import check_cu_seqlens, dense_cu_seqlens
 
@@ -525,20 +525,6 @@ class _Call:
     output_final_state: bool
     safe: float = SAFE_LOG2
 
-    def op_args(self) -> tuple:
-        """This call as the arguments of :func:`chunk_forward` (an operator takes tensors and scalars only)."""
-        p = self.plan
-        tables = [p.cu_seg, p.chunk_off, p.chunk_seg, p.chunk_start, p.launch_shared, p.launch_sparse, self.tok,
-                  self.position]
-        return tables, p.num_seqs, p.num_sparse_partitions, p.chunk, self.scale, self.output_final_state, self.safe
-
-    @classmethod
-    def from_op_args(cls, tables, num_seqs, num_sparse_partitions, chunk, scale, output_final_state, safe) -> "_Call":
-        cu_seg, chunk_off, chunk_seg, chunk_start, launch_shared, launch_sparse, tok, position = tables
-        plan = ChunkPlan(cu_seg, chunk_off, chunk_seg, chunk_start, launch_shared, launch_sparse, num_seqs,
-                         num_sparse_partitions, chunk)
-        return cls(plan, tok, position, scale, output_final_state, safe)
-
 
 def _dot_type(v: torch.Tensor):
     return (tl.float32, True) if v.dtype == torch.float32 else (getattr(tl, str(v.dtype).split(".")[-1]), False)
@@ -646,34 +632,12 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     return (*grads, *sparse_grads[:3], dv, *sparse_grads[3:], dh0)
 
 
-@torch.library.custom_op("sse_kernels::chunk_forward", mutates_args=())
-def chunk_forward(inputs: Sequence[Optional[torch.Tensor]], tables: Sequence[Optional[torch.Tensor]], num_seqs: int,
-                  num_sparse_partitions: int, chunk: int, scale: float, output_final_state: bool,
-                  safe: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernels as one operator, so that gradient checkpointing can keep its outputs instead of
-    running it again (``sse_model.modeling_sse.keep_linear_attention``). ``inputs``: the differentiable tensors
-    of :class:`_ChunkFunction`; the rest: :meth:`_Call.op_args`. Returns the output, the final states (empty
-    when not asked for) and the chunk states."""
-    call = _Call.from_op_args(tables, num_seqs, num_sparse_partitions, chunk, scale, output_final_state, safe)
-    o, ht, h = _forward(call, *inputs)
-    return o, (o.new_empty(0) if ht is None else ht), h
-
-
-@chunk_forward.register_fake
-def _(inputs, tables, num_seqs, num_sparse_partitions, chunk, scale, output_final_state, safe):
-    q, v = inputs[0], inputs[6]
-    (L, H, K), V = q.shape, v.shape[-1]
-    o = v.new_empty(L, H, V)
-    ht = v.new_empty((num_seqs * (1 + num_sparse_partitions), H, K, V) if output_final_state else (0,),
-                     dtype=torch.float32)
-    return o, ht, v.new_empty(tables[2].numel(), H, K, V)
-
-
 class _ChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
-        o, ht, h = chunk_forward([q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0], *call.op_args())
-        ht = ht if call.output_final_state else None
+        # under gradient checkpointing the block's recomputation takes these from its forward (see
+        # sse_model/ops/checkpointing.py) rather than running the kernels again
+        o, ht, h = kept_outputs(lambda: _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0))
         ctx.call = call
         # the chunk states are kept rather than recomputed by the backward (one state pass less per step:
         # ~9% of an SSE layer's kernel time); they are [chunks, H, K, V], about K / C times the size of k,

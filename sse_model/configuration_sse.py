@@ -69,9 +69,10 @@ class SSEConfig(PretrainedConfig):
     ``recurrent``).
 
     ``checkpointing_keeps_linear_attention``: under (non-reentrant) gradient checkpointing, the chunked
-    linear-attention kernels' outputs and chunk states are kept from the forward instead of computed again in
-    the backward (backends that offer it: the Triton kernels). Saves a quarter of those kernels' time per
-    step for about ``2 * head_dim / chunk`` times the size of one layer's keys, per layer (SSE rows: twice that).
+    linear-attention kernels' outputs and chunk states are kept from the forward instead of computed again
+    when the backward rebuilds the block (the Triton kernels; see ``sse_model/ops/checkpointing.py``). Saves
+    about a third of those kernels' time per step; costs, per layer, the output plus the chunk states, about
+    ``2 * head_dim / 64`` times the size of the layer's keys for GLA (twice that for SSE's rows).
     """
 
     model_type = "sse_hybrid"

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -25,7 +25,7 @@ from .layers.common import ForwardContext
 from .layers.linear import LinearAttention, init_gdn_decay
 from .layers.sse import SSEAttention
 from .modules import RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLUMLP
-from .ops.dispatch import kept_under_checkpointing
+from .ops.checkpointing import KeptOutputs
 from .ops.varlen import check_cu_seqlens, cu_seqlens_from_position_ids
 
 
@@ -59,16 +59,6 @@ class SSEBlock(GradientCheckpointingLayer):
         return hidden_states, aux_loss
 
 
-def keep_linear_attention():
-    """Selective checkpointing contexts (``torch.utils.checkpoint``'s ``context_fn``): the operators a backend
-    names in ``checkpoint_keeps`` (the chunked linear-attention forward) are kept from the forward, the rest of
-    the block is recomputed in the backward as usual."""
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if kept_under_checkpointing(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
 class SSEPreTrainedModel(PreTrainedModel):
     config_class = SSEConfig
     base_model_prefix = "model"
@@ -78,11 +68,12 @@ class SSEPreTrainedModel(PreTrainedModel):
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, **kwargs):
         """transformers' hook, plus ``config.checkpointing_keeps_linear_attention`` for non-reentrant
-        checkpointing that was given no ``context_fn`` of its own."""
+        checkpointing that was given no ``context_fn`` of its own (see :mod:`sse_model.ops.checkpointing`)."""
         options = getattr(gradient_checkpointing_func, "keywords", {})
         if (enable and self.config.checkpointing_keeps_linear_attention and options.get("use_reentrant") is False
                 and "context_fn" not in options):
-            gradient_checkpointing_func = partial(gradient_checkpointing_func, context_fn=keep_linear_attention)
+            gradient_checkpointing_func = partial(gradient_checkpointing_func,
+                                                  context_fn=lambda: KeptOutputs().contexts())
         super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     @torch.no_grad()

@@ -342,8 +342,7 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
 
     monkeypatch.setattr(dispatch, "_BACKENDS", [])
     dispatch.register_backend(dispatch.Backend(  # the chunk kernels for CPU tensors (Triton's interpreter)
-        "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton,
-        checkpoint_keeps=(sse_chunk.chunk_forward._opoverload,)))
+        "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
     calls = []
     forward = sse_chunk._forward
     monkeypatch.setattr(sse_chunk, "_forward", lambda *a: calls.append(1) or forward(*a))

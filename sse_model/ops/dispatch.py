@@ -54,8 +54,7 @@ class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
-    ``rms_norm`` and ``sse_features`` the elementwise stages of :mod:`sse_model.ops.fused` (None declines);
-    ``checkpoint_keeps`` the operators whose outputs gradient checkpointing keeps rather than recomputes."""
+    ``rms_norm`` and ``sse_features`` the elementwise stages of :mod:`sse_model.ops.fused` (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -66,7 +65,6 @@ class Backend:
     route: Callable | None = None
     rms_norm: Callable | None = None
     sse_features: Callable | None = None
-    checkpoint_keeps: tuple = ()
 
 
 _BACKENDS: list[Backend] = []
@@ -89,11 +87,6 @@ def _import_kernels() -> None:
         except ImportError:
             return
         register()
-
-
-def kept_under_checkpointing(op) -> bool:
-    """Whether a backend asks gradient checkpointing to keep ``op``'s outputs instead of recomputing them."""
-    return any(op in backend.checkpoint_keeps for backend in _BACKENDS)
 
 
 def active_backend(x: torch.Tensor) -> Backend | None:
@@ -235,7 +228,6 @@ __all__ = [
     "SSE_IMPLEMENTATIONS",
     "active_backend",
     "choose_sse_implementation",
-    "kept_under_checkpointing",
     "linear_attention",
     "linear_decode",
     "register_backend",
