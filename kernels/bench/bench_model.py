@@ -3,12 +3,15 @@
 A 24-layer, hidden-1024 model (8 heads of 128; the hybrids put one softmax-attention layer after every five
 linear ones) with random weights takes forward+backward steps under bf16 autocast with gradient
 checkpointing (non-reentrant, as the pipeline's trainers use it: the chunk kernels' outputs are kept, see
-``checkpointing_keeps_linear_attention``; float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s, the first
+``checkpointing_keeps_linear_attention``; float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s (median step), the first
 step's time (compilation included; models run in the order given, so kernels shared with an earlier model
 are already compiled), and peak memory.
 
     python -m kernels.bench.bench_model [--shapes 8x4096 2x16384] [--models transformer gla-h sse-h]
-        [--profile sse-h ...] [--no-checkpointing | --recompute-chunks]
+        [--profile sse-h ...] [--no-checkpointing | --also-recompute-chunks] [--steps 5]
+
+``--also-recompute-chunks`` adds, for each hybrid, a row where checkpointing also recomputes the chunk
+kernels' forward (``checkpointing_keeps_linear_attention=False``), measured in the same process.
 
 ``--profile`` prints, per model named, one step's wall time against GPU busy time, GPU time by category
 (chunk kernels, attention, matmuls, fused norms, routing, everything elementwise) and the top kernels.
@@ -113,12 +116,14 @@ def measure(kind: str, B: int, T: int, steps: int, profile: bool = False, checkp
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []  # the median step: one slow step (a host hiccup) does not move it
     for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         step()
-    torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) / steps
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    elapsed = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30
     if profile:
         print_profile(f"{kind} {B}x{T}", step)
@@ -134,8 +139,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", nargs="*", default=[], help="models to profile: time by category, top kernels, host syncs")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
-    parser.add_argument("--recompute-chunks", action="store_true",
-                        help="checkpointing recomputes the chunk kernels' forward too (checkpointing_keeps_linear_attention=False)")
+    parser.add_argument("--also-recompute-chunks", action="store_true",
+                        help="for each hybrid also measure checkpointing that recomputes the chunk kernels' forward")
     args = parser.parse_args()
     import kernels
 
@@ -147,13 +152,14 @@ def main() -> None:
         B, T = map(int, shape.split("x"))
         base = None
         for kind in args.models:
-            r = measure(kind, B, T, args.steps, kind in args.profile, not args.no_checkpointing,
-                        not args.recompute_chunks)
-            base = base or (r["tokens_per_s"] if kind == "transformer" else None)
-            rows.append((shape, kind, r, r["tokens_per_s"] / base if base else float("nan")))
-            print(f"  {shape} {kind}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
-    recompute = ("no checkpointing" if args.no_checkpointing else
-                 "checkpointing" + (" (chunk kernels recomputed)" if args.recompute_chunks else " (chunk outputs kept)"))
+            variants = [True, False] if args.also_recompute_chunks and kind != "transformer" else [True]
+            for keep in variants:
+                r = measure(kind, B, T, args.steps, kind in args.profile and keep, not args.no_checkpointing, keep)
+                base = base or (r["tokens_per_s"] if kind == "transformer" else None)
+                label = kind if keep else f"{kind}, chunks recomputed"
+                rows.append((shape, label, r, r["tokens_per_s"] / base if base else float("nan")))
+                print(f"  {shape} {label}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
+    recompute = "no checkpointing" if args.no_checkpointing else "checkpointing"
     print(f"\n### Training step, {LAYERS} layers x {HIDDEN}, bf16 autocast + {recompute}, forward+backward\n")
     print("| shape | model | params | tokens/s | vs Transformer | step s | first step s | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
