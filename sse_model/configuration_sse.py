@@ -72,7 +72,9 @@ class SSEConfig(PretrainedConfig):
     linear-attention kernels' outputs and chunk states are kept from the forward instead of computed again
     when the backward rebuilds the block (the Triton kernels; see ``sse_model/ops/checkpointing.py``). Saves
     about a third of those kernels' time per step; costs, per layer, the output plus the chunk states, about
-    ``2 * head_dim / 64`` times the size of the layer's keys for GLA (twice that for SSE's rows).
+    ``2 * head_dim / 64`` times the size of the layer's keys for GLA (twice that for SSE's rows): +6.4 GiB
+    for the 24-layer benchmark model at 8 x 4k tokens. Off by default: it pays only where the GPU, not the
+    host, bounds the step (``docs/benchmarks.md``).
     """
 
     model_type = "sse_hybrid"
@@ -118,7 +120,7 @@ class SSEConfig(PretrainedConfig):
         lora_side: str = "sparse",
         sse_implementation: str = "auto",
         aux_loss_coef: float = 0.01,
-        checkpointing_keeps_linear_attention: bool = True,
+        checkpointing_keeps_linear_attention: bool = False,
         # softmax attention
         num_attention_heads: int = 16,
         num_key_value_heads: int | None = None,

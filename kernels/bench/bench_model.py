@@ -2,16 +2,15 @@
 
 A 24-layer, hidden-1024 model (8 heads of 128; the hybrids put one softmax-attention layer after every five
 linear ones) with random weights takes forward+backward steps under bf16 autocast with gradient
-checkpointing (non-reentrant, as the pipeline's trainers use it: the chunk kernels' outputs are kept, see
-``checkpointing_keeps_linear_attention``; float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s (median step), the first
+checkpointing (non-reentrant, as the pipeline's trainers use it; float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s (median step), the first
 step's time (compilation included; models run in the order given, so kernels shared with an earlier model
 are already compiled), and peak memory.
 
     python -m kernels.bench.bench_model [--shapes 8x4096 2x16384] [--models transformer gla-h sse-h]
-        [--profile sse-h ...] [--no-checkpointing | --also-recompute-chunks] [--steps 5]
+        [--profile sse-h ...] [--no-checkpointing | --also-keep-chunks] [--steps 5]
 
-``--also-recompute-chunks`` adds, for each hybrid, a row where checkpointing also recomputes the chunk
-kernels' forward (``checkpointing_keeps_linear_attention=False``), measured in the same process.
+``--also-keep-chunks`` adds, for each hybrid, a row where checkpointing keeps the chunk kernels' forward
+instead of recomputing it (``checkpointing_keeps_linear_attention=True``), measured in the same process.
 
 ``--profile`` prints, per model named, one step's wall time against GPU busy time, GPU time by category
 (chunk kernels, attention, matmuls, fused norms, routing, everything elementwise) and the top kernels.
@@ -31,7 +30,7 @@ from sse_model.configuration_sse import hybrid_mixer_types
 LAYERS, HIDDEN, HEADS = 24, 1024, 8
 
 
-def model_config(kind: str, keep_chunks: bool = True) -> SSEConfig:
+def model_config(kind: str, keep_chunks: bool = False) -> SSEConfig:
     mixers = {"transformer": ["attn"] * LAYERS, "gla-h": hybrid_mixer_types(LAYERS, "gla"),
               "sse-h": hybrid_mixer_types(LAYERS, "sse")}[kind]
     return SSEConfig(vocab_size=32000, hidden_size=HIDDEN, num_hidden_layers=LAYERS, mixer_types=mixers,
@@ -92,10 +91,17 @@ def print_profile(label: str, step) -> None:
     print("\n| operator | input shapes | ms | calls |\n|---|---|---|---|")
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"| {e.key[:40]} | {str(e.input_shapes)[:80]} | {e.self_device_time_total / 1e3:.1f} | {e.count} |")
+    # the host's side: a step whose GPU busy time is well under its wall time is bound by these
+    host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in host) / 1e3
+    print(f"\nHost time inside operators and launches (profiled, so inflated): {total:.1f} ms\n")
+    print("| host: operator or launch | self CPU ms | calls |\n|---|---|---|")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:20]:
+        print(f"| {e.key[:60]} | {e.self_cpu_time_total / 1e3:.1f} | {e.count} |")
 
 
 def measure(kind: str, B: int, T: int, steps: int, profile: bool = False, checkpointing: bool = True,
-            keep_chunks: bool = True) -> dict:
+            keep_chunks: bool = False) -> dict:
     torch.manual_seed(0)
     model = SSEForCausalLM(model_config(kind, keep_chunks)).cuda().train()
     if checkpointing:  # as the pipeline's trainers do
@@ -139,8 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", nargs="*", default=[], help="models to profile: time by category, top kernels, host syncs")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
-    parser.add_argument("--also-recompute-chunks", action="store_true",
-                        help="for each hybrid also measure checkpointing that recomputes the chunk kernels' forward")
+    parser.add_argument("--also-keep-chunks", action="store_true",
+                        help="for each hybrid also measure checkpointing that keeps the chunk kernels' forward")
     args = parser.parse_args()
     import kernels
 
@@ -152,11 +158,11 @@ def main() -> None:
         B, T = map(int, shape.split("x"))
         base = None
         for kind in args.models:
-            variants = [True, False] if args.also_recompute_chunks and kind != "transformer" else [True]
+            variants = [False, True] if args.also_keep_chunks and kind != "transformer" else [False]
             for keep in variants:
-                r = measure(kind, B, T, args.steps, kind in args.profile and keep, not args.no_checkpointing, keep)
+                r = measure(kind, B, T, args.steps, kind in args.profile and not keep, not args.no_checkpointing, keep)
                 base = base or (r["tokens_per_s"] if kind == "transformer" else None)
-                label = kind if keep else f"{kind}, chunks recomputed"
+                label = f"{kind}, chunks kept" if keep else kind
                 rows.append((shape, label, r, r["tokens_per_s"] / base if base else float("nan")))
                 print(f"  {shape} {label}: {r['tokens_per_s']:,.0f} tok/s", flush=True)
     recompute = "no checkpointing" if args.no_checkpointing else "checkpointing"
