@@ -637,7 +637,8 @@ class _ChunkFunction(torch.autograd.Function):
     def forward(ctx, call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
         # under gradient checkpointing the block's recomputation takes these from its forward (see
         # sse_model/ops/checkpointing.py) rather than running the kernels again
-        o, ht, h = kept_outputs(lambda: _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0))
+        o, ht, h = kept_outputs(lambda: _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0),
+                                large=True)
         ctx.call = call
         # the chunk states are kept rather than recomputed by the backward (one state pass less per step:
         # ~9% of an SSE layer's kernel time); they are [chunks, H, K, V], about K / C times the size of k,
@@ -678,12 +679,19 @@ def chunk_gla_triton(q, k, v, g, beta=None, *, scale=None, initial_state=None, o
     B, T, H, K = q.shape
     L = B * T
     cu = _sequences(B, T, cu_seqlens, q.device)
-    call = _Call(ChunkPlan.build(cu, L, chunk=chunk_size), None, None, K**-0.5 if scale is None else scale,
-                 output_final_state)
+    plan = kept_outputs(lambda: ChunkPlan.build(cu, L, chunk=chunk_size))  # once per checkpointed step
+    call = _Call(plan, None, None, K**-0.5 if scale is None else scale, output_final_state)
     h0 = None if initial_state is None else initial_state.contiguous()
     o, ht = _ChunkFunction.apply(call, _tokens(q, L), _tokens(k, L), _tokens(g, L), None, None, None,
                                  _tokens(v, L), None, None, None, h0)
     return o.view(B, T, H, v.shape[-1]), ht
+
+
+def _sse_plan(topk: torch.Tensor, cu: torch.Tensor, N: int, chunk: int):
+    """The pairs (``VarlenPlan``), their chunk plan and their tokens as int32, from ``[L, Kmax]`` choices."""
+    pairs = VarlenPlan.build(topk, cu, N)
+    plan = ChunkPlan.build(cu, topk.shape[0], pairs.cu_seqlens, pairs.token.numel(), N, chunk=chunk)
+    return pairs, plan, pairs.token.to(torch.int32)
 
 
 def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: Routing, opts: SSEOptions, *,
@@ -702,12 +710,10 @@ def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: R
     if initial_state is not None and tuple(initial_state.shape) != (S, 1 + N, H, K, V):
         raise ValueError(f"SSE state must be {[S, 1 + N, H, K, V]}, got {list(initial_state.shape)}")
     write_w, read_w, write_mask = (x.reshape(L, N) for x in routing.weights(opts.write_gate, opts.read_gate))
-    pairs = VarlenPlan.build(routing.topk.reshape(L, -1), cu, N)
+    # the plan (a function of the routing's choices alone) is built once per checkpointed step
+    pairs, plan, tok = kept_outputs(lambda: _sse_plan(routing.topk.reshape(L, -1), cu, N, chunk_size))
     rw, ww, wm = (x[pairs.token, pairs.partition].contiguous() for x in (read_w, write_w, write_mask))
-    P = pairs.token.numel()
-    plan = ChunkPlan.build(cu, L, pairs.cu_seqlens, P, N, chunk=chunk_size)
-    call = _Call(plan, pairs.token.to(torch.int32), pairs.position, K**-0.5 if opts.scale is None else opts.scale,
-                 output_final_state, safe)
+    call = _Call(plan, tok, pairs.position, K**-0.5 if opts.scale is None else opts.scale, output_final_state, safe)
     q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
     # the fused launches select the shared or sparse tensor per segment: one dtype per role
     q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L)

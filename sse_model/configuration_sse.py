@@ -74,7 +74,7 @@ class SSEConfig(PretrainedConfig):
     about a third of those kernels' time per step; costs, per layer, the output plus the chunk states, about
     ``2 * head_dim / 64`` times the size of the layer's keys for GLA (twice that for SSE's rows): +6.4 GiB
     for the 24-layer benchmark model at 8 x 4k tokens. Off by default: it pays only where the GPU, not the
-    host, bounds the step (``docs/benchmarks.md``).
+    host, bounds the step (``docs/benchmarks.md``). The chunk plans (small) are kept either way.
     """
 
     model_type = "sse_hybrid"

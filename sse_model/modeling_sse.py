@@ -67,13 +67,14 @@ class SSEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, **kwargs):
-        """transformers' hook, plus ``config.checkpointing_keeps_linear_attention`` for non-reentrant
-        checkpointing that was given no ``context_fn`` of its own (see :mod:`sse_model.ops.checkpointing`)."""
+        """transformers' hook; non-reentrant checkpointing given no ``context_fn`` of its own keeps the chunk
+        plans (and, with ``config.checkpointing_keeps_linear_attention``, the chunk kernels' outputs) from the
+        forward for the rebuild (see :mod:`sse_model.ops.checkpointing`)."""
         options = getattr(gradient_checkpointing_func, "keywords", {})
-        if (enable and self.config.checkpointing_keeps_linear_attention and options.get("use_reentrant") is False
-                and "context_fn" not in options):
+        if enable and options.get("use_reentrant") is False and "context_fn" not in options:
+            keep_large = self.config.checkpointing_keeps_linear_attention
             gradient_checkpointing_func = partial(gradient_checkpointing_func,
-                                                  context_fn=lambda: KeptOutputs().contexts())
+                                                  context_fn=lambda: KeptOutputs(keep_large).contexts())
         super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     @torch.no_grad()

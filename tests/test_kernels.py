@@ -333,8 +333,8 @@ def test_sse_features_kernel_matches_reference(q_act, k_act, lora_side):
 @pytest.mark.parametrize("keep", [True, False])
 def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
     """With ``checkpointing_keeps_linear_attention`` a checkpointed SSE / GLA block runs the chunk forward once
-    per step (its outputs kept for the backward), not twice; the gradients are those of a run without
-    checkpointing either way."""
+    per step (its outputs kept for the backward), not twice; the chunk plans are built once per step either
+    way; the gradients are those of a run without checkpointing."""
     from kernels import sse_chunk
     from kernels.backend import linear_op
     from sse_model import SSEConfig, SSEForCausalLM
@@ -343,9 +343,10 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
     monkeypatch.setattr(dispatch, "_BACKENDS", [])
     dispatch.register_backend(dispatch.Backend(  # the chunk kernels for CPU tensors (Triton's interpreter)
         "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
-    calls = []
-    forward = sse_chunk._forward
+    calls, plans = [], []
+    forward, build = sse_chunk._forward, sse_chunk.ChunkPlan.build
     monkeypatch.setattr(sse_chunk, "_forward", lambda *a: calls.append(1) or forward(*a))
+    monkeypatch.setattr(sse_chunk.ChunkPlan, "build", lambda *a, **k: plans.append(1) or build(*a, **k))
     config = SSEConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, mixer_types=["sse", "gla"],
                        num_heads=2, head_dim=16, num_attention_heads=2, intermediate_size=64,
                        checkpointing_keeps_linear_attention=keep)
@@ -359,10 +360,10 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
         return [p.grad.clone() for p in model.parameters()]
 
     plain = grads()
-    assert len(calls) == 2
-    calls.clear()
+    assert len(calls) == 2 and len(plans) == 2
+    calls.clear(), plans.clear()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     checkpointed = grads()
-    assert len(calls) == (2 if keep else 4)
+    assert len(calls) == (2 if keep else 4) and len(plans) == 2
     for a, b in zip(checkpointed, plain):
         assert_close(a, b, torch.float32, "gradient under checkpointing")
