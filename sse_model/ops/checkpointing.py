@@ -17,10 +17,19 @@ a dispatch mode that sees every operator cost more host time per step than the k
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable
 
-_active: list[tuple["KeptOutputs", bool]] = []  # (record, replaying?) of the checkpoint being run, innermost last
+# per thread (the backward, and so the rebuild, of CUDA tensors runs on autograd's device thread): the
+# (record, replaying?) of the checkpoints being run, innermost last
+_local = threading.local()
+
+
+def _active() -> list[tuple["KeptOutputs", bool]]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
 
 
 class KeptOutputs:
@@ -35,20 +44,20 @@ class KeptOutputs:
     @contextmanager
     def recording(self):
         self.results.clear()
-        _active.append((self, False))
+        _active().append((self, False))
         try:
             yield
         finally:
-            _active.pop()
+            _active().pop()
 
     @contextmanager
     def replaying(self):
         self.cursor = 0  # every backward pass that rebuilds the block replays from the start
-        _active.append((self, True))
+        _active().append((self, True))
         try:
             yield
         finally:
-            _active.pop()
+            _active().pop()
 
     def contexts(self):
         """``(forward context, recomputation context)``: what ``context_fn`` returns."""
@@ -57,9 +66,10 @@ class KeptOutputs:
 
 def kept_outputs(compute: Callable[[], Any], large: bool = False) -> Any:
     """``compute()``, recorded in a checkpoint's forward and taken from the record in its recomputation."""
-    if not _active:
+    stack = _active()
+    if not stack:
         return compute()
-    record, replaying = _active[-1]
+    record, replaying = stack[-1]
     if large and not record.keep_large:
         return compute()
     if not replaying:
