@@ -367,3 +367,24 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
     assert len(calls) == (2 if keep else 4) and len(plans) == 2
     for a, b in zip(checkpointed, plain):
         assert_close(a, b, torch.float32, "gradient under checkpointing")
+
+
+def test_count_ops_takes_the_kernel_path_and_restores_it():
+    """``kernels/bench/count_ops.py`` counts the host's work of the CUDA code path on CPU: the SSE block must
+    reach the chunk kernels (their launch counters) and the real kernels must be back afterwards."""
+    import collections
+
+    from kernels import sse_chunk
+    from kernels.bench.count_ops import count, kernels_on_cpu, split
+    from sse_model.ops import dispatch
+
+    backends = list(dispatch._BACKENDS)
+    launches = collections.Counter()
+    with kernels_on_cpu(launches):
+        attn = count("attn", launches)
+        sse = count("sse", launches)
+    assert launches["_fwd_h"] >= 1 and launches["_bwd_dqkg"] >= 2
+    assert sse["forward_launches"] > attn["forward_launches"]
+    assert split(sse["forward"])[0] > split(attn["forward"])[0]
+    assert isinstance(sse_chunk._fwd_h, triton.runtime.jit.KernelInterface)
+    assert dispatch._BACKENDS == backends

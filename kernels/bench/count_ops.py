@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -47,13 +48,28 @@ class _LaunchCounter:
         return launch
 
 
-def _stub_kernels(launches: collections.Counter) -> None:
+@contextmanager
+def kernels_on_cpu(launches: collections.Counter):
+    """The CUDA backend's code path for CPU tensors, its Triton kernels replaced by launch counters (the
+    router keeps its PyTorch definition: the plan reads its output); everything is restored on exit."""
     from kernels import decode, fused, routing, sse_chunk
+    from kernels.backend import linear_op
+    from sse_model.ops import dispatch
 
-    for module in (sse_chunk, fused, routing, decode):
-        for name, obj in list(vars(module).items()):
-            if isinstance(obj, triton.runtime.jit.JITFunction):
-                setattr(module, name, _LaunchCounter(name, launches))
+    saved = [(module, name, obj) for module in (sse_chunk, fused, routing, decode)
+             for name, obj in list(vars(module).items()) if isinstance(obj, triton.runtime.jit.KernelInterface)]
+    backends = list(dispatch._BACKENDS)
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, _LaunchCounter(name, launches))
+        dispatch._BACKENDS[:] = [dispatch.Backend(
+            "kernels-on-cpu", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton,
+            rms_norm=fused.rms_norm_triton, sse_features=fused.sse_features_triton)]
+        yield
+    finally:
+        for module, name, obj in saved:
+            setattr(module, name, obj)
+        dispatch._BACKENDS[:] = backends
 
 
 def split(counts: collections.Counter) -> tuple[int, int]:
@@ -91,16 +107,12 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--keep-chunks", action="store_true", help="checkpointing_keeps_linear_attention=True")
     args = parser.parse_args()
-    from kernels.backend import linear_op
-    from sse_model.ops import dispatch
-    from kernels import fused, sse_chunk
-
     launches: collections.Counter = collections.Counter()
-    _stub_kernels(launches)
-    dispatch._BACKENDS[:] = []  # the CUDA backend's parts, for CPU tensors
-    dispatch.register_backend(dispatch.Backend(
-        "kernels-on-cpu", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton,
-        rms_norm=fused.rms_norm_triton, sse_features=fused.sse_features_triton))
+    with kernels_on_cpu(launches):
+        report(args, launches)
+
+
+def report(args, launches: collections.Counter) -> None:
     how = "no checkpointing" if args.no_checkpointing else "checkpointing" + (", chunks kept" if args.keep_chunks else "")
     print(f"\n### Host work of a one-block model per training step ({how}; embedding, final norm and loss "
           "included)\n")
