@@ -249,6 +249,42 @@ def test_model_with_and_without_backend():
     assert (out == ref_out).float().mean() > 0.9  # greedy may flip on near-ties after tf32 differences
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_checkpointing_rebuild_keeps_what_it_should(keep):
+    """Non-reentrant checkpointing under bf16 autocast: the chunk plans (and with ``keep`` the chunk forward)
+    are taken from the forward when the backward (on autograd's device thread) rebuilds the block; the
+    gradients match a run without checkpointing."""
+    from kernels import sse_chunk
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    cfg = SSEConfig.from_preset("sse-h-tiny", hidden_size=256, num_heads=2, head_dim=128, num_attention_heads=2,
+                                checkpointing_keeps_linear_attention=keep)
+    torch.manual_seed(0)
+    model = SSEForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 1000), device="cuda")
+    calls = []
+    forward = sse_chunk._forward
+    sse_chunk._forward = lambda *a: calls.append(1) or forward(*a)
+    try:
+        def grads():
+            model.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+        plain = grads()
+        per_step = len(calls)
+        calls.clear()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointed = grads()
+    finally:
+        sse_chunk._forward = forward
+    assert len(calls) == (per_step if keep else 2 * per_step)
+    RESULTS.append((f"checkpointed grads (keep={keep}) vs plain", rel(checkpointed, plain), 0.0))
+    assert rel(checkpointed, plain) < TOL[torch.bfloat16]
+
+
 def test_zz_print_table():
     print(f"\n{'case':45s} {'rel err 1':>10s} {'rel err 2':>10s}")
     for name, a, b in RESULTS:
