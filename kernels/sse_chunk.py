@@ -687,11 +687,42 @@ def chunk_gla_triton(q, k, v, g, beta=None, *, scale=None, initial_state=None, o
     return o.view(B, T, H, v.shape[-1]), ht
 
 
-def _sse_plan(topk: torch.Tensor, cu: torch.Tensor, N: int, chunk: int):
-    """The pairs (``VarlenPlan``), their chunk plan and their tokens as int32, from ``[L, Kmax]`` choices."""
-    pairs = VarlenPlan.build(topk, cu, N)
-    plan = ChunkPlan.build(cu, topk.shape[0], pairs.cu_seqlens, pairs.token.numel(), N, chunk=chunk)
-    return pairs, plan, pairs.token.to(torch.int32)
+@dataclass
+class _SSEPlan:
+    """What an SSE call derives from the routing's choices alone (so checkpointing keeps it, see
+    ``sse_model/ops/checkpointing.py``): the pairs, their chunk plan, their tokens as int32, each pair's index
+    in the flattened ``[L, Kmax]`` choices, and its write and read masks (1 within the top ``num_writers`` /
+    ``num_readers`` of its token, else 0; in the router probabilities' dtype)."""
+
+    pairs: VarlenPlan
+    chunks: ChunkPlan
+    tok: torch.Tensor
+    source: torch.Tensor
+    write: torch.Tensor
+    read: torch.Tensor
+
+    @classmethod
+    def build(cls, routing: Routing, cu: torch.Tensor, chunk: int) -> "_SSEPlan":
+        N = routing.num_sparse_partitions
+        topk = routing.topk.reshape(-1, routing.topk.shape[-1])
+        L, Kmax = topk.shape
+        pairs = VarlenPlan.build(topk, cu, N)
+        chunks = ChunkPlan.build(cu, L, pairs.cu_seqlens, pairs.token.numel(), N, chunk=chunk)
+        source = torch.empty_like(pairs.token)
+        source[pairs.position.reshape(-1)] = torch.arange(L * Kmax, device=topk.device)
+        rank = source % Kmax
+        write, read = ((rank < k).to(routing.probs.dtype) for k in (routing.num_writers, routing.num_readers))
+        return cls(pairs, chunks, pairs.token.to(torch.int32), source, write, read)
+
+    def weights(self, routing: Routing, opts: SSEOptions):
+        """Each pair's (read weight, write weight, write mask): the router probability of its partition where
+        the gate is on, times the masks (:meth:`Routing.weights` at the pairs, without the ``[L, N]`` masks)."""
+        probs, topk = (x.reshape(-1, x.shape[-1]) for x in (routing.probs, routing.topk))
+        p = probs.gather(1, topk).reshape(-1)[self.source]
+        all_choices = topk.shape[1]
+        ww = (p if routing.num_writers == all_choices else self.write * p) if opts.write_gate else self.write
+        rw = (p if routing.num_readers == all_choices else self.read * p) if opts.read_gate else self.read
+        return rw, ww, self.write
 
 
 def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: Routing, opts: SSEOptions, *,
@@ -709,11 +740,10 @@ def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: R
     S = cu.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (S, 1 + N, H, K, V):
         raise ValueError(f"SSE state must be {[S, 1 + N, H, K, V]}, got {list(initial_state.shape)}")
-    write_w, read_w, write_mask = (x.reshape(L, N) for x in routing.weights(opts.write_gate, opts.read_gate))
-    # the plan (a function of the routing's choices alone) is built once per checkpointed step
-    pairs, plan, tok = kept_outputs(lambda: _sse_plan(routing.topk.reshape(L, -1), cu, N, chunk_size))
-    rw, ww, wm = (x[pairs.token, pairs.partition].contiguous() for x in (read_w, write_w, write_mask))
-    call = _Call(plan, tok, pairs.position, K**-0.5 if opts.scale is None else opts.scale, output_final_state, safe)
+    plan = kept_outputs(lambda: _SSEPlan.build(routing, cu, chunk_size))  # once per checkpointed step
+    rw, ww, wm = plan.weights(routing, opts)
+    call = _Call(plan.chunks, plan.tok, plan.pairs.position, K**-0.5 if opts.scale is None else opts.scale,
+                 output_final_state, safe)
     q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
     # the fused launches select the shared or sparse tensor per segment: one dtype per role
     q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L)
