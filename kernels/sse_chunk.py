@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.plan import build_plans
 from sse_model.ops.checkpointing import kept_outputs
 from sse_model.ops.sse import Branch, Routing, SSEOptions, VarlenPlan
 from sse_model.ops.varlen import check_cu_seqlens, dense_cu_seqlens
@@ -423,7 +424,8 @@ class ChunkPlan:
     ``S * NP`` sparse segments, sequence-major, partition-minor (the order of ``VarlenPlan``). Chunk ids
     number every segment's chunks in segment order; ``launch_shared`` / ``launch_sparse`` give each program
     of the two per-chunk launches its chunk id (-1: nothing to do). Host-side sizes are upper bounds, so
-    building the plan never waits for the GPU.
+    building the plan never waits for the GPU. :meth:`build` is the PyTorch definition; the kernels' path
+    builds the same tables with ``kernels/plan.py``.
     """
 
     cu_seg: torch.Tensor  # [num_seg + 1] row offsets
@@ -679,7 +681,8 @@ def chunk_gla_triton(q, k, v, g, beta=None, *, scale=None, initial_state=None, o
     B, T, H, K = q.shape
     L = B * T
     cu = _sequences(B, T, cu_seqlens, q.device)
-    plan = kept_outputs(lambda: ChunkPlan.build(cu, L, chunk=chunk_size))  # once per checkpointed step
+    plan = kept_outputs(lambda: ChunkPlan(**build_plans(cu, L, chunk=chunk_size)[0], num_seqs=cu.numel() - 1,
+                                          num_sparse_partitions=0, chunk=chunk_size))  # once per checkpointed step
     call = _Call(plan, None, None, K**-0.5 if scale is None else scale, output_final_state)
     h0 = None if initial_state is None else initial_state.contiguous()
     o, ht = _ChunkFunction.apply(call, _tokens(q, L), _tokens(k, L), _tokens(g, L), None, None, None,
@@ -703,16 +706,15 @@ class _SSEPlan:
 
     @classmethod
     def build(cls, routing: Routing, cu: torch.Tensor, chunk: int) -> "_SSEPlan":
+        """With the plan kernels (``kernels/plan.py``): what ``VarlenPlan.build`` and ``ChunkPlan.build``
+        define, in four launches."""
         N = routing.num_sparse_partitions
         topk = routing.topk.reshape(-1, routing.topk.shape[-1])
-        L, Kmax = topk.shape
-        pairs = VarlenPlan.build(topk, cu, N)
-        chunks = ChunkPlan.build(cu, L, pairs.cu_seqlens, pairs.token.numel(), N, chunk=chunk)
-        source = torch.empty_like(pairs.token)
-        source[pairs.position.reshape(-1)] = torch.arange(L * Kmax, device=topk.device)
-        rank = source % Kmax
-        write, read = ((rank < k).to(routing.probs.dtype) for k in (routing.num_writers, routing.num_readers))
-        return cls(pairs, chunks, pairs.token.to(torch.int32), source, write, read)
+        tables, (pairs, tok, source, write, read) = build_plans(cu, topk.shape[0], topk, N, routing.num_writers,
+                                                                 routing.num_readers, chunk)
+        chunks = ChunkPlan(**tables, num_seqs=cu.numel() - 1, num_sparse_partitions=N, chunk=chunk)
+        dtype = routing.probs.dtype
+        return cls(pairs, chunks, tok, source, write.to(dtype), read.to(dtype))
 
     def weights(self, routing: Routing, opts: SSEOptions):
         """Each pair's (read weight, write weight, write mask): the router probability of its partition where

@@ -326,6 +326,44 @@ def test_sse_features_kernel_matches_reference(q_act, k_act, lora_side):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
+PLAN_CASES = [  # sequence lengths, N, Kw, Kr, chunk
+    ([5, 35, 1, 49], 4, 1, 1, 16),
+    ([37, 33], 4, 2, 2, 16),
+    ([50], 3, 1, 3, 16),
+    ([20, 13], 4, 4, 4, 16),  # K = N
+    ([0, 7, 0, 30, 3], 8, 1, 1, 16),  # empty sequences, partitions that receive no token
+    ([7] * 300, 4, 2, 1, 16),  # more sequences than one block of the segment pass
+    ([1500, 700], 6, 1, 2, 4),  # several token blocks, more chunk ids than one block
+]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: f"S{len(c[0])}-N{c[1]}-K{c[2]}{c[3]}-C{c[4]}")
+def test_plan_kernels_match_the_pytorch_builders(case):
+    """``kernels/plan.py`` builds exactly what ``VarlenPlan.build`` and ``ChunkPlan.build`` define (plus each
+    pair's source index and masks), for SSE and for plain GLA."""
+    from kernels.plan import build_plans, build_plans_reference
+
+    lengths, N, Kw, Kr, chunk = case
+    L = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    topk = route(torch.randn(L, N), Kw, Kr).topk
+    for args in ((cu, L, topk, N, Kw, Kr, chunk), (cu, L, None, 0, 1, 1, chunk)):
+        want_tables, want_pairs = build_plans_reference(*args)
+        got_tables, got_pairs = build_plans(*(x.to(DEVICE) if torch.is_tensor(x) else x for x in args))
+        for name, want in want_tables.items():
+            got = got_tables[name]
+            assert (got is None) == (want is None), name
+            assert want is None or (got.dtype == want.dtype and torch.equal(got.cpu(), want)), name
+        assert (got_pairs is None) == (want_pairs is None)
+        if want_pairs is not None:
+            (got_plan, *got_rest), (want_plan, *want_rest) = got_pairs, want_pairs
+            for name in ("token", "partition", "cu_seqlens", "position"):
+                got, want = getattr(got_plan, name), getattr(want_plan, name)
+                assert got.dtype == want.dtype and torch.equal(got.cpu(), want), name
+            for name, got, want in zip(("tok32", "source", "write", "read"), got_rest, want_rest):
+                assert got.dtype == want.dtype and torch.equal(got.cpu(), want), name
+
+
 # ----------------------------------------------------------------------------------------------------------
 # gradient checkpointing keeps the chunk kernels' forward
 
@@ -344,9 +382,9 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
     dispatch.register_backend(dispatch.Backend(  # the chunk kernels for CPU tensors (Triton's interpreter)
         "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
     calls, plans = [], []
-    forward, build = sse_chunk._forward, sse_chunk.ChunkPlan.build
+    forward, build = sse_chunk._forward, sse_chunk.build_plans
     monkeypatch.setattr(sse_chunk, "_forward", lambda *a: calls.append(1) or forward(*a))
-    monkeypatch.setattr(sse_chunk.ChunkPlan, "build", lambda *a, **k: plans.append(1) or build(*a, **k))
+    monkeypatch.setattr(sse_chunk, "build_plans", lambda *a, **k: plans.append(1) or build(*a, **k))
     config = SSEConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, mixer_types=["sse", "gla"],
                        num_heads=2, head_dim=16, num_attention_heads=2, intermediate_size=64,
                        checkpointing_keeps_linear_attention=keep)

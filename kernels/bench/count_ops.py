@@ -4,7 +4,8 @@ Where a model's step is bound by the host rather than the GPU (a GPU busy time w
 time in ``bench_model --profile``), what costs is the number of operators and kernel launches the host issues,
 not their size. This counts them for one block of each mixer on the CUDA code path, without a GPU: the Triton
 kernels are replaced by launch counters (nothing runs in them, so their outputs are garbage: the router runs
-its PyTorch definition, since the plan reads its output), every other operator runs on small CPU tensors.
+its PyTorch definition and the plan's tables come from its PyTorch definition outside the count, since later
+operators read them), every other operator runs on small CPU tensors.
 The block is checkpointed as in training (non-reentrant), so the backward's count includes the rebuild.
 
     python -m kernels.bench.count_ops [--mixers attn gla sse] [--top 25] [--no-checkpointing] [--keep-chunks]
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 import triton
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # operators that only make a view (no kernel, a few microseconds of host time each)
 VIEWS = ("view", "t.default", "_unsafe_view", "slice", "alias", "expand", "unsqueeze", "select", "split",
@@ -52,16 +53,24 @@ class _LaunchCounter:
 def kernels_on_cpu(launches: collections.Counter):
     """The CUDA backend's code path for CPU tensors, its Triton kernels replaced by launch counters (the
     router keeps its PyTorch definition: the plan reads its output); everything is restored on exit."""
-    from kernels import decode, fused, routing, sse_chunk
+    from kernels import decode, fused, plan, routing, sse_chunk
     from kernels.backend import linear_op
     from sse_model.ops import dispatch
 
-    saved = [(module, name, obj) for module in (sse_chunk, fused, routing, decode)
+    saved = [(module, name, obj) for module in (sse_chunk, fused, routing, decode, plan)
              for name, obj in list(vars(module).items()) if isinstance(obj, triton.runtime.jit.KernelInterface)]
+    saved.append((sse_chunk, "build_plans", sse_chunk.build_plans))
     backends = list(dispatch._BACKENDS)
+
+    def build_plans(*args, **kwargs):  # the host work of the plan kernels counts; the plan used is the reference's
+        plan.build_plans(*args, **kwargs)
+        with _disable_current_modes():
+            return plan.build_plans_reference(*args, **kwargs)
+
     try:
         for module, name, _ in saved:
             setattr(module, name, _LaunchCounter(name, launches))
+        sse_chunk.build_plans = build_plans
         dispatch._BACKENDS[:] = [dispatch.Backend(
             "kernels-on-cpu", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton,
             rms_norm=fused.rms_norm_triton, sse_features=fused.sse_features_triton)]
