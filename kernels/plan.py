@@ -165,7 +165,8 @@ def build_plans(cu: torch.Tensor, num_tokens: int, topk: torch.Tensor | None = N
         KM = topk.shape[1]
         before = torch.empty(L + 1, N, device=device, dtype=i32)
         sparse_cu = torch.empty(S * N + 1, device=device, dtype=i64)
-        _count_before[(1,)](topk, before, L, N=N, KM=KM, NB=nb, BT=max(16, BLOCK // nb))
+        # one program walks the tokens: wide blocks keep the walk short (32k tokens: 16 steps at N = 4)
+        _count_before[(1,)](topk, before, L, N=N, KM=KM, NB=nb, BT=max(16, 8 * BLOCK // nb), num_warps=8)
     bs = max(16, min(BLOCK // nb, triton.next_power_of_2(max(S, 1))))
     _segments[(1,)](cu, cu if before is None else before, cu_seg if sparse_cu is None else sparse_cu, cu_seg,
                     chunk_off, totals, L, S, N=max(N, 1), C=chunk, SPARSE=sparse, NB=nb, BS=bs)
