@@ -249,6 +249,24 @@ def test_model_with_and_without_backend():
     assert (out == ref_out).float().mean() > 0.9  # greedy may flip on near-ties after tf32 differences
 
 
+@pytest.mark.parametrize("lengths,N,K", [([32768] * 4, 4, 1), ([int(x) for x in torch.randint(1, 3000, (64,))], 8, 2)])
+def test_plan_kernels_real_sizes(lengths, N, K):
+    """The plan kernels against the PyTorch builders at training sizes (every table identical)."""
+    from kernels.plan import build_plans, build_plans_reference
+
+    L = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    topk = route(torch.randn(L, N, device="cuda"), K, K).topk
+    want_tables, want_pairs = build_plans_reference(cu, L, topk, N, K, K, 64)
+    got_tables, got_pairs = build_plans(cu, L, topk, N, K, K, 64)
+    for name, want in want_tables.items():
+        assert torch.equal(got_tables[name], want), name
+    for name in ("token", "partition", "cu_seqlens", "position"):
+        assert torch.equal(getattr(got_pairs[0], name), getattr(want_pairs[0], name)), name
+    for got, want in zip(got_pairs[1:], want_pairs[1:]):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_checkpointing_rebuild_keeps_what_it_should(keep):
     """Non-reentrant checkpointing under bf16 autocast: the chunk plans (and with ``keep`` the chunk forward)
