@@ -30,9 +30,9 @@ Kernels (grid axis 2 is the head):
     ``_bwd_dh``:   per segment, walks the chunks backwards: the gradient of each chunk's final state;
     ``_bwd_dv``:   per chunk: dv;
     ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights.
-The pairs and chunk tables are built on the device by ``kernels/plan.py`` without a host synchronisation (grids
-are upper bounds; programs past the end return at once); lengths are not specialised on, so packed batches of any length reuse one
-compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests hold these to.
+The pairs and chunk tables are built on the device by ``kernels/plan.py`` without a host synchronisation
+(grids are upper bounds; programs past the end return at once); lengths are not specialised on, so packed
+batches of any length reuse one compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests hold these to.
 """
 
 from __future__ import annotations
