@@ -32,7 +32,8 @@ Kernels (grid axis 2 is the head):
     ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights.
 The pairs and chunk tables are built on the device by ``kernels/plan.py`` without a host synchronisation
 (grids are upper bounds; programs past the end return at once); lengths are not specialised on, so packed
-batches of any length reuse one compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests hold these to.
+batches of any length reuse one compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests
+hold these to.
 """
 
 from __future__ import annotations

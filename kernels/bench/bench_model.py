@@ -2,9 +2,9 @@
 
 A 24-layer, hidden-1024 model (8 heads of 128; the hybrids put one softmax-attention layer after every five
 linear ones) with random weights takes forward+backward steps under bf16 autocast with gradient
-checkpointing (non-reentrant, as the pipeline's trainers use it; float32 master weights), on dense rows of ``B x T`` tokens. Prints tokens/s (median step), the first
-step's time (compilation included; models run in the order given, so kernels shared with an earlier model
-are already compiled), and peak memory.
+checkpointing (non-reentrant, as the pipeline's trainers use it; float32 master weights), on dense rows of
+``B x T`` tokens. Prints tokens/s (median step), the first step's time (compilation included; models run in
+the order given, so kernels shared with an earlier model are already compiled), and peak memory.
 
     python -m kernels.bench.bench_model [--shapes 8x4096 2x16384] [--models transformer gla-h sse-h]
         [--profile sse-h ...] [--no-checkpointing | --also-keep-chunks] [--steps 5]
@@ -143,7 +143,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["8x4096", "2x16384"])
     parser.add_argument("--models", nargs="*", default=["transformer", "gla-h", "sse-h"])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--profile", nargs="*", default=[], help="models to profile: time by category, top kernels, host syncs")
+    parser.add_argument("--profile", nargs="*", default=[],
+                        help="models to profile: GPU time by category, top kernels and operators, host time")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
     parser.add_argument("--also-keep-chunks", action="store_true",
                         help="for each hybrid also measure checkpointing that keeps the chunk kernels' forward")

@@ -112,7 +112,7 @@ def count(mixer: str, launches: collections.Counter, checkpointing: bool = True,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mixers", nargs="*", default=["attn", "gla", "sse"])
-    parser.add_argument("--top", type=int, default=25, help="list the most frequent forward operators of the last mixer")
+    parser.add_argument("--top", type=int, default=25, help="the most frequent forward operators of the last mixer")
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--keep-chunks", action="store_true", help="checkpointing_keeps_linear_attention=True")
     args = parser.parse_args()
@@ -122,7 +122,8 @@ def main() -> None:
 
 
 def report(args, launches: collections.Counter) -> None:
-    how = "no checkpointing" if args.no_checkpointing else "checkpointing" + (", chunks kept" if args.keep_chunks else "")
+    how = "checkpointing" + (", chunks kept" if args.keep_chunks else "")
+    how = "no checkpointing" if args.no_checkpointing else how
     print(f"\n### Host work of a one-block model per training step ({how}; embedding, final norm and loss "
           "included)\n")
     print("| mixer | forward ops | forward views | forward launches | backward ops | backward views "
