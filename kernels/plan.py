@@ -88,18 +88,26 @@ def _segments(cu, before, sparse_cu, cu_seg, chunk_off, totals, L, S, N: tl.cons
     tl.store(totals + 1, chunks)
 
 
+@triton.jit
+def _last_at_most(keys, x, mask, n, STEPS):
+    """Per element of ``x``: the last index ``i < n`` of the ascending ``keys`` with ``keys[i] <= x``
+    (``keys[0] <= x`` for all ``x``), by ``STEPS`` rounds of binary search."""
+    lo = tl.zeros(x.shape, dtype=tl.int32)
+    hi = tl.zeros(x.shape, dtype=tl.int32) + n - 1
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(keys + mid, mask=mask, other=0) <= x
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
 @triton.jit(do_not_specialize=["L", "S", "STEPS"])
 def _pairs(topk, cu, before, sparse_cu, position, token, tok32, partition, source, write, read, L, S, STEPS,
            N: tl.constexpr, KM: tl.constexpr, KW: tl.constexpr, KR: tl.constexpr, BT: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < L
-    lo = tl.zeros([BT], dtype=tl.int32)  # the sequence of each token: the last s with cu[s] <= t
-    hi = tl.zeros([BT], dtype=tl.int32) + S - 1
-    for _ in range(STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(cu + mid, mask=tm, other=0) <= t
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
+    lo = _last_at_most(cu, t, tm, S, STEPS)  # each token's sequence
     first = tl.load(cu + lo, mask=tm, other=0).to(tl.int64)
     t64 = t.to(tl.int64)
     for j in tl.static_range(KM):
@@ -123,13 +131,7 @@ def _chunks(cu_seg, chunk_off, totals, chunk_seg, chunk_start, launch_sh, launch
     cm = c < MAX_SH + MAX_SP
     shared = tl.load(totals)
     total = tl.load(totals + 1)
-    lo = tl.zeros([BC], dtype=tl.int32)  # the last segment whose first chunk id is <= c
-    hi = tl.zeros([BC], dtype=tl.int32) + NSEG - 1
-    for _ in range(STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(chunk_off + mid, mask=cm, other=0) <= c
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
+    lo = _last_at_most(chunk_off, c, cm, NSEG, STEPS)  # each chunk id's segment
     start = (tl.load(cu_seg + lo, mask=cm, other=0).to(tl.int64)
              + (c - tl.load(chunk_off + lo, mask=cm, other=0)).to(tl.int64) * C)
     tl.store(chunk_seg + c, tl.where(c < total, lo, -1), mask=cm)
