@@ -150,9 +150,9 @@ def _act_bwd(x, dy, mask, KIND: tl.constexpr):
 
 
 @triton.jit
-def _sides(x, lora, offs, mask, LORA_SHARED: tl.constexpr):
+def _sides(x, lora, offs_x, offs, mask, LORA_SHARED: tl.constexpr):
     """Pre-activations ``(x, x + lora)`` as (shared, sparse), or swapped when the LoRA is on the shared side."""
-    a = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(x + offs_x, mask=mask, other=0.0).to(tl.float32)
     b = a + tl.load(lora + offs, mask=mask, other=0.0).to(tl.float32)
     if LORA_SHARED:
         a, b = b, a
@@ -160,9 +160,9 @@ def _sides(x, lora, offs, mask, LORA_SHARED: tl.constexpr):
 
 
 @triton.jit
-def _side_grads(x, lora, dy0, dy1, dx, dlora, offs, mask, LORA_SHARED: tl.constexpr, ACT: tl.constexpr):
+def _side_grads(x, lora, dy0, dy1, dx, dlora, offs_x, offs, mask, LORA_SHARED: tl.constexpr, ACT: tl.constexpr):
     """Gradients of ``x`` and ``lora`` from those of ``act(shared)`` and ``act(sparse)``."""
-    a, b = _sides(x, lora, offs, mask, LORA_SHARED)
+    a, b = _sides(x, lora, offs_x, offs, mask, LORA_SHARED)
     da = _act_bwd(a, tl.load(dy0 + offs, mask=mask, other=0.0).to(tl.float32), mask, ACT)
     db = _act_bwd(b, tl.load(dy1 + offs, mask=mask, other=0.0).to(tl.float32), mask, ACT)
     tl.store(dx + offs, (da + db).to(dx.dtype.element_ty), mask=mask)
@@ -176,18 +176,27 @@ def _logsigmoid(x):
     return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
 
 
-@triton.jit(do_not_specialize=["M", "inv_norm"])
-def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, inv_norm,
+@triton.jit
+def _row_offsets(rows, cols, K, H, SQ, SK):
+    """Offsets of rows (token, head) in contiguous ``[..., H, K]`` tensors, and in ``q`` / ``k``, whose tokens
+    are ``SQ`` / ``SK`` elements apart (column slices of a wider projection)."""
+    r = rows.to(tl.int64)
+    head = (r % H)[:, None] * K + cols[None, :]
+    return r[:, None] * K + cols[None, :], (r // H)[:, None] * SQ + head, (r // H)[:, None] * SK + head
+
+
+@triton.jit(do_not_specialize=["M", "H", "SQ", "SK", "inv_norm"])
+def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, H, SQ, SK, inv_norm,
                   LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
                   BM: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    a, b = _sides(q, ql, offs, mask, LORA_SHARED)
+    offs, offs_q, offs_k = _row_offsets(rows, cols, K, H, SQ, SK)
+    a, b = _sides(q, ql, offs_q, offs, mask, LORA_SHARED)
     tl.store(q0 + offs, _act(a, mask, QACT).to(q0.dtype.element_ty), mask=mask)
     tl.store(q1 + offs, _act(b, mask, QACT).to(q1.dtype.element_ty), mask=mask)
-    a, b = _sides(k, kl, offs, mask, LORA_SHARED)
+    a, b = _sides(k, kl, offs_k, offs, mask, LORA_SHARED)
     tl.store(k0 + offs, _act(a, mask, KACT).to(k0.dtype.element_ty), mask=mask)
     tl.store(k1 + offs, _act(b, mask, KACT).to(k1.dtype.element_ty), mask=mask)
     x = tl.load(g0 + offs, mask=mask, other=0.0).to(tl.float32)
@@ -196,16 +205,16 @@ def _features_fwd(q, ql, k, kl, g0, g1, q0, q1, k0, k1, o0, o1, M, K, inv_norm,
     tl.store(o1 + offs, (_logsigmoid(x) * inv_norm).to(o1.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "inv_norm"])
-def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, dk, dkl, dg0, dg1, M, K, inv_norm,
-                  LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "H", "SQ", "SK", "inv_norm"])
+def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, dk, dkl, dg0, dg1, M, K, H, SQ, SK,
+                  inv_norm, LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, BK: tl.constexpr,
                   BM: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    _side_grads(q, ql, dq0, dq1, dq, dql, offs, mask, LORA_SHARED, QACT)
-    _side_grads(k, kl, dk0, dk1, dk, dkl, offs, mask, LORA_SHARED, KACT)
+    offs, offs_q, offs_k = _row_offsets(rows, cols, K, H, SQ, SK)
+    _side_grads(q, ql, dq0, dq1, dq, dql, offs_q, offs, mask, LORA_SHARED, QACT)
+    _side_grads(k, kl, dk0, dk1, dk, dkl, offs_k, offs, mask, LORA_SHARED, KACT)
     x = tl.load(g0 + offs, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(do0 + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dg0 + offs, (d * inv_norm * tl.sigmoid(-x)).to(dg0.dtype.element_ty), mask=mask)
@@ -214,35 +223,47 @@ def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, d
     tl.store(dg1 + offs, (d * inv_norm * tl.sigmoid(-x)).to(dg1.dtype.element_ty), mask=mask)
 
 
+def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` (``[..., H, K]``) and the distance between its tokens, without a copy where its heads are
+    contiguous and its tokens evenly spaced (a column slice of a wider projection's output)."""
+    H, K = x.shape[-2:]
+    lead, strides = x.shape[:-2], x.stride()[:-2]
+    even = all(strides[i] == strides[i + 1] * lead[i + 1] for i in range(len(lead) - 1) if lead[i] > 1)
+    if x.stride(-1) == 1 and x.stride(-2) == K and even:
+        return x, (strides[-1] if lead else H * K)
+    return x.contiguous(), H * K
+
+
 class _Features(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, q_lora, k, k_lora, gk0, gk1, lora_shared, qact, kact, normalizer):
-        K = q.shape[-1]
-        ins = [x.contiguous() for x in (q, q_lora, k, k_lora, gk0, gk1)]
-        M = ins[0].numel() // K
-        outs = [torch.empty_like(ins[i]) for i in (0, 0, 2, 2, 4, 5)]
+        H, K = q.shape[-2:]
+        (q, sq), (k, sk) = _token_rows(q), _token_rows(k)
+        ins = [q, q_lora.contiguous(), k, k_lora.contiguous(), gk0.contiguous(), gk1.contiguous()]
+        M = q.numel() // K
+        outs = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, q, k, k, ins[4], ins[5])]
         BK = max(16, triton.next_power_of_2(K))
         BM = _rows_per_program(BK)
-        _features_fwd[(triton.cdiv(M, BM),)](*ins, *outs, M, K, 1.0 / normalizer, LORA_SHARED=lora_shared,
-                                             QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+        _features_fwd[(triton.cdiv(M, BM),)](*ins, *outs, M, K, H, sq, sk, 1.0 / normalizer,
+                                             LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
         ctx.save_for_backward(*ins)
-        ctx.options = (lora_shared, qact, kact, normalizer)
-        q0, q1, k0, k1, g0, g1 = (x.view(q.shape) for x in outs)
+        ctx.options = (lora_shared, qact, kact, normalizer, sq, sk)
+        q0, q1, k0, k1, g0, g1 = outs
         return q0, k0, g0, q1, k1, g1
 
     @staticmethod
     def backward(ctx, dq0, dk0, dg0, dq1, dk1, dg1):
         ins = ctx.saved_tensors
-        lora_shared, qact, kact, normalizer = ctx.options
-        K = ins[0].shape[-1]
+        lora_shared, qact, kact, normalizer, sq, sk = ctx.options
+        H, K = ins[0].shape[-2:]
         M = ins[0].numel() // K
-        grads_in = [torch.zeros_like(ins[i]) if d is None else d.contiguous()
+        grads_in = [torch.zeros(ins[i].shape, device=ins[i].device, dtype=ins[i].dtype) if d is None else d.contiguous()
                     for d, i in ((dq0, 0), (dq1, 0), (dk0, 2), (dk1, 2), (dg0, 4), (dg1, 5))]
-        grads = [torch.empty_like(x) for x in ins]
+        grads = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in ins]
         BK = max(16, triton.next_power_of_2(K))
         BM = _rows_per_program(BK)
-        _features_bwd[(triton.cdiv(M, BM),)](*ins, *grads_in, *grads, M, K, 1.0 / normalizer, LORA_SHARED=lora_shared,
-                                             QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+        _features_bwd[(triton.cdiv(M, BM),)](*ins, *grads_in, *grads, M, K, H, sq, sk, 1.0 / normalizer,
+                                             LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
         return (*grads, None, None, None, None)
 
 

@@ -40,8 +40,13 @@ class GatedRMSNorm(RMSNorm):
 
 
 def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
-    """Several linear maps of one input as one matrix product: ``x`` is read once, and the backward runs one
-    input-gradient product instead of one per map plus their sum. Outputs are column slices (views)."""
+    """Several linear maps of one input. With autograd on (training), one matrix product over the maps'
+    concatenated weights: ``x`` is read once, the backward runs one input-gradient product instead of one per
+    map plus their sum, and the host issues a few operators instead of a product and a cast per map; the
+    outputs are column slices (views). Without autograd (generation), one product per map: a decode step then
+    reads each weight once instead of copying them all into a concatenation first."""
+    if not torch.is_grad_enabled():
+        return [m(x) for m in linears]
     weight = torch.cat([m.weight for m in linears])
     bias = None
     if any(m.bias is not None for m in linears):

@@ -326,6 +326,32 @@ def test_sse_features_kernel_matches_reference(q_act, k_act, lora_side):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
+def test_sse_features_kernel_reads_column_slices():
+    """q and k as column slices of one wider projection (how the SSE layer computes them in training) are read
+    in place: outputs and the gradient of the whole projection equal the reference on the same slices."""
+    from kernels.fused import sse_features_triton
+    from sse_model.ops.fused import sse_features
+
+    B, T, H, K = 2, 19, 3, 32
+    proj = torch.randn(B, T, 3 * H * K + 16)  # q, k, v and a narrow map, as in the layer
+    rest = [torch.randn(B, T, H, K) for _ in range(4)]
+    options = dict(lora_side="sparse", q_activation="silu", k_activation="softmax", normalizer=16.0)
+    dys = [torch.randn(B, T, H, K) for _ in range(6)]
+
+    def run(fn, proj, rest):
+        q, k = (proj[..., i * H * K:(i + 1) * H * K].view(B, T, H, K) for i in (0, 1))
+        out = fn(q, rest[0], k, rest[1], rest[2], rest[3], **options)
+        return out, torch.autograd.grad(sum((o * d.to(o)).sum() for o, d in zip(out, dys)), [proj, *rest])
+
+    ref, grads_ref = run(sse_features, proj.double().requires_grad_(), [t.double().requires_grad_() for t in rest])
+    out, grads = run(sse_features_triton, proj.to(DEVICE).requires_grad_(),
+                     [t.to(DEVICE).requires_grad_() for t in rest])
+    for a, b in zip(out, ref):
+        assert_close(a.cpu(), b, torch.float32, "output")
+    for name, a, b in zip(["projection", "q lora", "k lora", "gk shared", "gk sparse"], grads, grads_ref):
+        assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
+
+
 PLAN_CASES = [  # sequence lengths, N, Kw, Kr, chunk
     ([5, 35, 1, 49], 4, 1, 1, 16),
     ([37, 33], 4, 2, 2, 16),

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..modules import RotaryEmbedding
+from ..modules import RotaryEmbedding, project
 from ..ops.attention import packed_causal_attention
 from .common import ForwardContext
 
@@ -37,9 +37,10 @@ class SoftmaxAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, ctx.position_ids)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
 

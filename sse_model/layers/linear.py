@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import LinearLayerState
-from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution
+from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, project
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
 from ..ops.dispatch import linear_attention, linear_decode
@@ -87,7 +87,9 @@ class LinearAttention(nn.Module):
         pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
-        q_raw, k_raw = zero_padding(self.q_proj(x), ctx.token_mask), zero_padding(self.k_proj(x), ctx.token_mask)
+        low_gate = [self.gk_proj[0]] if self.kind == "gla" else []  # read x in the same product
+        q_raw, k_raw, v_raw, *low = project(x, self.q_proj, self.k_proj, self.v_proj, *low_gate)
+        q_raw, k_raw = zero_padding(q_raw, ctx.token_mask), zero_padding(k_raw, ctx.token_mask)
         conv_out = None
         if cfg.use_short_conv:
             conv_in = state.conv if state is not None and state.conv is not None else (None, None)
@@ -96,11 +98,11 @@ class LinearAttention(nn.Module):
             conv_out = (conv_q, conv_k)
         q = feature_map(q_raw.view(B, T, H, K), cfg.q_activation)
         k = feature_map(k_raw.view(B, T, H, K), cfg.key_activation(self.transition))
-        v = feature_map(self.v_proj(x).view(B, T, H, V), cfg.v_activation)
+        v = feature_map(v_raw.view(B, T, H, V), cfg.v_activation)
 
         beta = None
         if self.kind == "gla":
-            g = F.logsigmoid(self.gk_proj(x).view(B, T, H, K)) / cfg.gate_logit_normalizer
+            g = F.logsigmoid(self.gk_proj[1](low[0]).view(B, T, H, K)) / cfg.gate_logit_normalizer
         elif self.kind == "retnet":
             g = self.log_decay.to(q.dtype).view(1, 1, H, 1).expand(B, T, H, K)
         else:

@@ -110,20 +110,20 @@ class SSEAttention(nn.Module):
         pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
-        q, k = zero_padding(self.q_proj(x), mask), zero_padding(self.k_proj(x), mask)
-        # the narrow first halves of the low-rank maps read x together (the router stays a module call, so
-        # that hooks on e_proj see its logits)
+        # q, k, v and the narrow first halves of the low-rank maps read x together (the router stays a module
+        # call, so that hooks on e_proj see its logits)
         narrow = [self.lora_q_proj[0], self.lora_k_proj[0]]
         if self.transition == "gla":
             narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
-        low = project(x, *narrow)
+        q, k, v, *low = project(x, self.q_proj, self.k_proj, self.v_proj, *narrow)
+        q, k = zero_padding(q, mask), zero_padding(k, mask)
         lora_q, lora_k = self.lora_q_proj[1](low[0]), self.lora_k_proj[1](low[1])
 
         def heads(t, d):
             return t.view(B, T, H, d)
 
         conv_out = None
-        v = feature_map(heads(self.v_proj(x), V), cfg.v_activation)
+        v = feature_map(heads(v, V), cfg.v_activation)
         if self.fused_features:  # one pass: the LoRA add, both feature maps, both log-decays
             q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = sse_features(
                 heads(q, K), heads(lora_q, K), heads(k, K), heads(lora_k, K),
