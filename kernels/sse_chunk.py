@@ -644,8 +644,9 @@ class _ChunkFunction(torch.autograd.Function):
                                 large=True)
         ctx.call = call
         # the chunk states are kept rather than recomputed by the backward (one state pass less per step:
-        # ~9% of an SSE layer's kernel time); they are [chunks, H, K, V], about K / C times the size of k,
-        # and only one checkpointed layer holds them at a time
+        # ~9% of an SSE layer's kernel time); they are [chunks, H, K, V], about K / C times the size of k;
+        # under checkpointing only the block being rebuilt holds them, unless the forward's are kept too
+        # (checkpointing_keeps_linear_attention)
         ctx.save_for_backward(q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0, h)
         return o, ht
 
