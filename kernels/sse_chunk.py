@@ -25,11 +25,13 @@ than that takes an exact elementwise path (slower, never inexact). Decays must b
 Kernels (grid axis 2 is the head):
     ``_fwd_h``:    per (segment, K-block x V-block), walks the chunks: stores each chunk's initial state (kept
                    for the backward);
-                   one launch for shared and sparse segments together (the shared partition is fused);
-    ``_fwd_o``:    per chunk: the output, added into the token's output (shared launch first);
+    ``_fwd_o``:    per chunk: the output, added into the token's output;
     ``_bwd_dh``:   per segment, walks the chunks backwards: the gradient of each chunk's final state;
     ``_bwd_dv``:   per chunk: dv;
     ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights.
+Each runs as one launch for the shared segments and one for the sparse ones; the sparse launches go to a
+second stream while the shared partition's walk runs (:class:`_Overlap`), and at K = 1 the sparse output
+launches write each token's output / dv and the shared ones add to it.
 The pairs and chunk tables are built on the device by ``kernels/plan.py`` without a host synchronisation
 (grids are upper bounds; programs past the end return at once); lengths are not specialised on, so packed
 batches of any length reuse one compilation. The PyTorch ops of ``sse_model/ops`` are the reference the tests
@@ -211,14 +213,14 @@ def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v,
     return b_h
 
 
-@triton.jit(do_not_specialize=["L", "S", "NP"])
+@triton.jit(do_not_specialize=["L", "S", "NP", "seg0"])
 def _fwd_h(
     k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off,
-    L, S, NP,
+    L, S, NP, seg0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kv, seg, i_h = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
@@ -250,7 +252,6 @@ def _fwd_o(
     start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C, SPARSE)
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
-    vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_A = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(NK):
@@ -265,6 +266,7 @@ def _fwd_o(
         b_A += _intra_A(qq, kk, gc, qg, C, DT, IEEE, SAFE)
     rows = tl.arange(0, C)
     b_A = tl.where(rows[:, None] >= rows[None, :], b_A, 0.0)
+    vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
     b_o = (b_o + _dot(b_A, vv, DT, IEEE)) * scale
     if OUT_BY_TOKEN:
         _store(o, b_o, t, valid, i_h, H, V, offs_v, mv, ACCUM)
@@ -292,14 +294,14 @@ def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs
     return b_dh
 
 
-@triton.jit(do_not_specialize=["L", "S", "NP", "scale"])
+@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "scale"])
 def _bwd_dh(
     q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, scale,
-    L, S, NP,
+    L, S, NP, seg0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_kv, seg, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kv, seg, i_h = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
@@ -331,7 +333,6 @@ def _bwd_dv(
     start, t, valid, a, b, m = _chunk(gid, chunk_seg, chunk_start, cu_seg, L, tok, rw, ww, wm, C, SPARSE)
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
-    dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
     b_dv = tl.zeros([C, BV], dtype=tl.float32)
     b_A = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(NK):
@@ -346,6 +347,7 @@ def _bwd_dv(
         b_dv += _dot(kk * tl.exp2(gl[None, :] - gc), dhh, DT, IEEE)
     rows = tl.arange(0, C)
     b_A = tl.where(rows[:, None] >= rows[None, :], b_A * scale, 0.0)
+    dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
     b_dv = (b_dv + _dot(tl.trans(b_A), dd, DT, IEEE)) * m[:, None]
     if OUT_BY_TOKEN:
         _store(dv, b_dv, t, valid, i_h, H, V, offs_v, mv, ACCUM)
@@ -533,44 +535,89 @@ def _dot_type(v: torch.Tensor):
     return (tl.float32, True) if v.dtype == torch.float32 else (getattr(tl, str(v.dtype).split(".")[-1]), False)
 
 
+OVERLAP = True  # run the sparse partitions' work beside the shared walk (see _Overlap); False: one stream
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class _Overlap:
+    """The sparse partitions' work on a second CUDA stream while the shared partition's state walk runs.
+
+    The shared walk is one sequential pass over a whole sequence; the sparse segments are ``NP`` times shorter
+    at K = 1, so after them the GPU would run only the shared walk's few programs (64 at 2 x 16k tokens and 8
+    heads). On the side stream the sparse walk and the sparse per-chunk launches fill those SMs. ``enter``
+    forks (the side stream waits for what the current stream has queued), ``join`` makes the current stream
+    wait for the side stream. Tensors used on the side stream are allocated before the fork and the current
+    stream joins before anything frees them, so the caching allocator never reuses their memory early. On the
+    CPU (the interpreter) both are no-ops and the order of launches is the same.
+    """
+
+    def __init__(self, device: torch.device):
+        self.side = None
+        if device.type == "cuda" and OVERLAP:
+            if device not in _SIDE_STREAMS:
+                _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+            self.side = _SIDE_STREAMS[device]
+            self.main = torch.cuda.current_stream(device)
+            self.side.wait_stream(self.main)
+
+    def __enter__(self):
+        if self.side is not None:
+            self._ctx = torch.cuda.stream(self.side)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.side is not None:
+            self._ctx.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
 def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
     """Output, final states (or None) and every chunk's initial state ``h`` (the state pass's product)."""
     plan = call.plan
     L, H, K = q_sh.shape
     V = v.shape[-1]
     C = plan.chunk
+    S, NP = plan.num_seqs, plan.num_sparse_partitions
     DT, IEEE = _dot_type(v)
     sparse = call.tok is not None
     dummy = plan.cu_seg
     tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
     seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
-    num_states = plan.num_seqs * (1 + plan.num_sparse_partitions)
+    tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
     h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
-    ht = torch.empty(num_states, H, K, V, device=v.device, dtype=torch.float32) if call.output_final_state else None
-    _fwd_h[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
-        k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
-        dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off,
-        L, plan.num_seqs, plan.num_sparse_partitions,
-        H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE, **seq,
-    )
+    ht = torch.empty(S * (1 + NP), H, K, V, device=v.device, dtype=torch.float32) if call.output_final_state else None
     o = torch.empty(L, H, V, device=v.device, dtype=v.dtype)
     cfg = _cfg("fwd_o", K, V, "BK", "BV", "NK")
     NV = triton.cdiv(V, cfg["BV"])
     common = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe, **cfg)
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
+    walk = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
+            dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off, L, S, NP)
+    walk_opts = dict(H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE, **seq)
+    # the shared outputs are added to the sparse ones where each token has exactly one pair (K = 1)
+    by_token = sparse and call.position.shape[1] == 1
+    if sparse:
+        out = o if by_token else torch.empty(call.tok.numel(), H, V, device=v.device, dtype=torch.float32)
+    overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
+    _fwd_h[(tiles, S, H)](*walk, 0, **walk_opts)
+    if sparse:
+        with overlap:
+            _fwd_h[(tiles, S * NP, H)](*walk, S, **walk_opts)
+            _fwd_o[(NV, plan.launch_sparse.numel(), H)](
+                q_sp, k_sp, g_sp, v, h, out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+                OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **common,
+            )
+        overlap.join()
     _fwd_o[(NV, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, v, h, o, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, ACCUM=False, SPARSE=False, **common,
+        OUT_BY_TOKEN=True, ACCUM=by_token, SPARSE=False, **common,
     )
-    if sparse:
-        by_token = call.position.shape[1] == 1
-        out = o if by_token else torch.empty(call.tok.numel(), H, V, device=v.device, dtype=torch.float32)
-        _fwd_o[(NV, plan.launch_sparse.numel(), H)](
-            q_sp, k_sp, g_sp, v, h, out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, ACCUM=by_token, SPARSE=True, **common,
-        )
-        if not by_token:
-            o = (o.float() + out[call.position].sum(1)).to(v.dtype)
+    if sparse and not by_token:
+        o = (o.float() + out[call.position].sum(1)).to(v.dtype)
     return o, ht, h
 
 
@@ -580,6 +627,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     L, H, K = q_sh.shape
     V = v.shape[-1]
     C = plan.chunk
+    S, NP = plan.num_seqs, plan.num_sparse_partitions
     DT, IEEE = _dot_type(v)
     sparse = call.tok is not None
     dummy = plan.cu_seg
@@ -588,47 +636,58 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     dh = torch.empty_like(h)
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     seq = _cfg("bwd_dh", K, V, "BK", "BV", "NV")
-    _bwd_dh[(triton.cdiv(K, seq["BK"]) * seq["NV"], plan.num_segments, H)](
-        q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
-        dummy if dht is None else dht.contiguous(), dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
-        call.scale, L, plan.num_seqs, plan.num_sparse_partitions,
-        H=H, K=K, V=V, C=C, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq,
-    )
+    tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
+    walk = (q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
+            dummy if dht is None else dht.contiguous(), dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
+            call.scale, L, S, NP)
+    walk_opts = dict(H=H, K=K, V=V, C=C, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq)
     base = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe)
     dv_cfg = {**base, **_cfg("bwd_dv", K, V, "BK", "BV", "NK")}
     dq_cfg = {**base, **_cfg("bwd_dqkg", K, V, "BK", "BV", "NK", "NV")}
     NV, NK = triton.cdiv(V, dv_cfg["BV"]), dq_cfg["NK"]
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
     dv = torch.empty_like(v)
+    grads = [torch.empty_like(x) for x in (q_sh, k_sh, g_sh)]
+    by_token = sparse and call.position.shape[1] == 1
+    sparse_grads = [None] * 5
+    if sparse:
+        P = call.tok.numel()
+        dv_out = dv if by_token else torch.empty(P, H, V, device=v.device, dtype=torch.float32)
+        if by_token:
+            outs = [torch.empty_like(x) for x in (q_sp, k_sp, g_sp)]
+        else:
+            outs = [torch.empty(P, H, K, device=v.device, dtype=torch.float32) for _ in range(3)]
+        dab = torch.empty(P, 2, H, NK, device=v.device, dtype=torch.float32)
+    overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
+    _bwd_dh[(tiles, S, H)](*walk, 0, **walk_opts)
+    if sparse:  # on the side stream: the sparse state-gradient walk, dv and dq / dk / dg (see _Overlap)
+        with overlap:
+            _bwd_dh[(tiles, S * NP, H)](*walk, S, **walk_opts)
+            _bwd_dv[(NV, plan.launch_sparse.numel(), H)](
+                q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+                OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **dv_cfg,
+            )
+            dv_done = torch.cuda.Event() if overlap.side is not None else None
+            if dv_done is not None:
+                dv_done.record(overlap.side)
+            _bwd_dqkg[(NK, plan.launch_sparse.numel(), H)](
+                q_sp, k_sp, g_sp, v, do, h, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+                OUT_BY_TOKEN=by_token, GATE_GRADS=True, SPARSE=True, **dq_cfg,
+            )
+        if dv_done is not None:  # the shared dv adds into the sparse one
+            overlap.main.wait_event(dv_done)
     _bwd_dv[(NV, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, do, dh, dv, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, ACCUM=False, SPARSE=False, **dv_cfg,
+        OUT_BY_TOKEN=True, ACCUM=by_token, SPARSE=False, **dv_cfg,
     )
-    grads = [torch.empty_like(x) for x in (q_sh, k_sh, g_sh)]
     _bwd_dqkg[(NK, plan.launch_shared.numel(), H)](
         q_sh, k_sh, g_sh, v, do, h, dh, *grads, dummy, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
         OUT_BY_TOKEN=True, GATE_GRADS=False, SPARSE=False, **dq_cfg,
     )
-    sparse_grads = [None] * 5
     if sparse:
-        P = call.tok.numel()
-        by_token = call.position.shape[1] == 1
-        dv_out = dv if by_token else torch.empty(P, H, V, device=v.device, dtype=torch.float32)
-        _bwd_dv[(NV, plan.launch_sparse.numel(), H)](
-            q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, ACCUM=by_token, SPARSE=True, **dv_cfg,
-        )
-        if by_token:
-            outs = [torch.empty_like(x) for x in (q_sp, k_sp, g_sp)]
-        else:
-            dv = (dv.float() + dv_out[call.position].sum(1)).to(v.dtype)
-            outs = [torch.empty(P, H, K, device=v.device, dtype=torch.float32) for _ in range(3)]
-        dab = torch.empty(P, 2, H, NK, device=v.device, dtype=torch.float32)
-        _bwd_dqkg[(NK, plan.launch_sparse.numel(), H)](
-            q_sp, k_sp, g_sp, v, do, h, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-            OUT_BY_TOKEN=by_token, GATE_GRADS=True, SPARSE=True, **dq_cfg,
-        )
+        overlap.join()
         if not by_token:
+            dv = (dv.float() + dv_out[call.position].sum(1)).to(v.dtype)
             outs = [x[call.position].sum(1).to(ref.dtype) for x, ref in zip(outs, (q_sp, k_sp, g_sp))]
         dab = dab.sum((2, 3))
         sparse_grads = [*outs, dab[:, 0], dab[:, 1]]

@@ -1,13 +1,15 @@
 """Benchmarks of the SSE kernels on one GPU; prints markdown tables (``docs/benchmarks.md`` holds results).
 
     python -m kernels.bench.bench_sse                     # all tables
-    python -m kernels.bench.bench_sse --tables decode     # one of: chunk, partitions, decode
+    python -m kernels.bench.bench_sse --tables decode     # one of: chunk, overlap, partitions, compile, decode
 
 (a) ``chunk``: forward and forward+backward time of our SSE (routing + plan + chunked kernels) and our GLA
     next to fla's ``chunk_gla`` on the same heads and dims, the reference SSE layer of fla's SSE pull request
     (when its source is on the path) and PyTorch SDPA (causal), at constant tokens (B x T = ``--tokens``),
     with peak memory;
 (b) ``partitions``: SSE for N = 4..64 partitions at K = 1;
+(b') ``overlap``: SSE with the sparse partitions' work on a second stream beside the shared state walk (the
+    default, ``kernels.sse_chunk.OVERLAP``) against one stream, at the ``--lengths``, heads 18 and 8;
 (c) ``compile``: the first SSE step in a fresh process with an empty Triton cache, against a warm step;
 (d) ``decode``: one decode step of an SSE layer for a batch of sequences in a state pool, our kernel and
     the PyTorch step, against the memory roofline: state bytes that must move / measured copy bandwidth.
@@ -196,6 +198,31 @@ def table_partitions(T: int, tokens: int) -> None:
         torch.cuda.empty_cache()
 
 
+def table_overlap(tokens: int, lengths: list[int]) -> None:
+    """The side stream's gain (``kernels.sse_chunk.OVERLAP``), both settings in one process, alternated."""
+    from kernels import sse_chunk
+
+    print(f"\n### (b') Sparse work on a side stream beside the shared walk, ms (B x T = {tokens}, D={D}, N=4, K=1, bf16)\n")
+    print("| T | B | H | fwd, one stream | fwd, side stream | f+b, one stream | f+b, side stream | f+b gain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for heads in (H, 8):
+        for T in lengths:
+            B = max(1, tokens // T)
+            inputs = sse_inputs(B, T, 4, grad=True, heads=heads)
+            run, step = sse_call(inputs), fwd_bwd(sse_call(inputs), leaves_of(inputs))
+            times = {}
+            for overlap in (False, True, False, True):  # alternated: drift of the clock hits both
+                sse_chunk.OVERLAP = overlap
+                with torch.no_grad():
+                    fwd = bench(run)
+                times.setdefault(overlap, []).append((fwd, bench(step)))
+            sse_chunk.OVERLAP = True
+            (f0, b0), (f1, b1) = ([min(col) for col in zip(*times[k])] for k in (False, True))
+            print(f"| {T} | {B} | {heads} | {f0:.2f} | {f1:.2f} | {b0:.2f} | {b1:.2f} | {b0 / b1:.2f}x |", flush=True)
+            del inputs, run, step
+            torch.cuda.empty_cache()
+
+
 COMPILE_PROBE = """
 import time, torch
 from kernels.bench.bench_sse import sse_inputs, sse_call, fwd_bwd, leaves_of
@@ -287,6 +314,8 @@ def main() -> None:
         table_decode(args.batches)
     if "chunk" in args.tables:
         table_chunk(args.tokens, args.lengths)
+    if "overlap" in args.tables:
+        table_overlap(args.tokens, args.lengths)
     if "partitions" in args.tables:
         table_partitions(args.partition_length, args.tokens)
     if "compile" in args.tables:
