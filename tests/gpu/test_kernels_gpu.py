@@ -123,6 +123,26 @@ def test_sse_chunk_kernels(name):
     assert rel(o, o_ref) < tol and rel(s, s_ref) < tol and grad_err < 4 * tol
 
 
+@pytest.mark.parametrize("Kw,Kr", [(1, 1), (1, 2)])
+def test_side_stream_equals_one_stream(Kw, Kr):
+    """The sparse launches on a second stream (``kernels.sse_chunk.OVERLAP``) give bit-identical outputs, states
+    and gradients to one stream, at sizes where the streams really run side by side (a race shows here)."""
+    from kernels import sse_chunk
+
+    cu, leaves = sse_case([16384, 3000, 9000], 4, Kw, Kr, torch.bfloat16)
+    results = {}
+    for overlap in (True, False):
+        sse_chunk.OVERLAP = overlap
+        try:
+            results[overlap] = [sse_run(sse_chunk.sse_chunk_triton, cu, leaves, 4, Kw, Kr) for _ in range(3)]
+        finally:
+            sse_chunk.OVERLAP = True
+    want_o, want_s, want_g = results[False][0]
+    for o, s, g in results[True] + results[False][1:]:
+        assert torch.equal(o, want_o) and torch.equal(s, want_s)
+        assert all(torch.equal(a, b) for a, b in zip(g, want_g))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gla_chunk_kernel(dtype):
     from kernels.sse_chunk import chunk_gla_triton
