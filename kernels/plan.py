@@ -1,10 +1,11 @@
-"""The chunk kernels' plan in four launches instead of ~60 PyTorch operators.
+"""The chunk kernels' plan in five launches instead of ~60 PyTorch operators.
 
 An SSE layer's training step is close to bound by the host (``docs/benchmarks.md``), and its plan was the
 largest part of the host's extra work over GLA: the counting sort of :class:`~sse_model.ops.sse.VarlenPlan`
 and the chunk tables of :class:`~kernels.sse_chunk.ChunkPlan`, each a chain of small operators. Here:
 
-- ``_count_before`` (one program): ``before[t, p]``, the pairs of partition ``p`` among tokens ``< t``;
+- ``_block_counts``, then ``_count_before`` (per token block, with the running sum of the blocks' counts
+  between them): ``before[t, p]``, the pairs of partition ``p`` among tokens ``< t``;
 - ``_segments`` (one program): the segments' row offsets (the sequences, then one per (sequence,
   partition)), the pair offsets, each segment's first chunk id and the chunk totals;
 - ``_pairs`` (per token block): each token's sequence (binary search), its pairs' places in the reorder,
@@ -29,22 +30,37 @@ from sse_model.ops.sse import VarlenPlan
 BLOCK = 1024
 
 
+@triton.jit
+def _one_hot(topk, t, tm, parts, KM: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+    """``[BT, NB]``: how many of token ``t``'s ``KM`` choices are partition ``parts``."""
+    hot = tl.zeros([BT, NB], dtype=tl.int32)
+    for j in tl.static_range(KM):
+        p = tl.load(topk + t.to(tl.int64) * KM + j, mask=tm, other=-1).to(tl.int32)
+        hot += (p[:, None] == parts[None, :]).to(tl.int32)
+    return hot
+
+
 @triton.jit(do_not_specialize=["L"])
-def _count_before(topk, before, L, N: tl.constexpr, KM: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+def _block_counts(topk, counts, L, N: tl.constexpr, KM: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+    b = tl.program_id(0)
+    t = b * BT + tl.arange(0, BT)
+    parts = tl.arange(0, NB)
+    hot = _one_hot(topk, t, t < L, parts, KM, NB, BT)
+    tl.store(counts + b * N + parts, tl.sum(hot, axis=0), mask=parts < N)
+
+
+@triton.jit(do_not_specialize=["L"])
+def _count_before(topk, upto, before, L, N: tl.constexpr, KM: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+    b = tl.program_id(0)
+    t = b * BT + tl.arange(0, BT)
+    tm = t < L
     parts = tl.arange(0, NB)
     pmask = parts < N
-    carry = tl.zeros([NB], dtype=tl.int32)
-    tl.store(before + parts, carry, mask=pmask)
-    for start in range(0, L, BT):
-        t = start + tl.arange(0, BT)
-        tm = t < L
-        hot = tl.zeros([BT, NB], dtype=tl.int32)
-        for j in tl.static_range(KM):
-            p = tl.load(topk + t.to(tl.int64) * KM + j, mask=tm, other=-1).to(tl.int32)
-            hot += (p[:, None] == parts[None, :]).to(tl.int32)
-        incl = tl.cumsum(hot, axis=0) + carry[None, :]
-        tl.store(before + (t.to(tl.int64)[:, None] + 1) * N + parts[None, :], incl, mask=tm[:, None] & pmask[None, :])
-        carry += tl.sum(hot, axis=0)
+    carry = tl.load(upto + (b - 1) * N + parts, mask=pmask & (parts * 0 + b > 0), other=0)  # earlier blocks' pairs
+    if b == 0:
+        tl.store(before + parts, carry, mask=pmask)
+    incl = tl.cumsum(_one_hot(topk, t, tm, parts, KM, NB, BT), axis=0) + carry[None, :]
+    tl.store(before + (t.to(tl.int64)[:, None] + 1) * N + parts[None, :], incl, mask=tm[:, None] & pmask[None, :])
 
 
 @triton.jit(do_not_specialize=["L", "S"])
@@ -167,8 +183,12 @@ def build_plans(cu: torch.Tensor, num_tokens: int, topk: torch.Tensor | None = N
         KM = topk.shape[1]
         before = torch.empty(L + 1, N, device=device, dtype=i32)
         sparse_cu = torch.empty(S * N + 1, device=device, dtype=i64)
-        # one program walks the tokens: wide blocks keep the walk short (32k tokens: 16 steps at N = 4)
-        _count_before[(1,)](topk, before, L, N=N, KM=KM, NB=nb, BT=max(16, 8 * BLOCK // nb), num_warps=8)
+        # per block of tokens: the counts, their running sum over blocks, then the counts before each token
+        bt = max(16, 8 * BLOCK // nb)
+        blocks = triton.cdiv(L, bt)
+        counts = torch.empty(blocks, N, device=device, dtype=i32)
+        _block_counts[(blocks,)](topk, counts, L, N=N, KM=KM, NB=nb, BT=bt, num_warps=8)
+        _count_before[(blocks,)](topk, counts.cumsum(0, dtype=i32), before, L, N=N, KM=KM, NB=nb, BT=bt, num_warps=8)
     bs = max(16, min(BLOCK // nb, triton.next_power_of_2(max(S, 1))))
     _segments[(1,)](cu, cu if before is None else before, cu_seg if sparse_cu is None else sparse_cu, cu_seg,
                     chunk_off, totals, L, S, N=max(N, 1), C=chunk, SPARSE=sparse, NB=nb, BS=bs)

@@ -360,6 +360,7 @@ PLAN_CASES = [  # sequence lengths, N, Kw, Kr, chunk
     ([0, 7, 0, 30, 3], 8, 1, 1, 16),  # empty sequences, partitions that receive no token
     ([7] * 300, 4, 2, 1, 16),  # more sequences than one block of the segment pass
     ([1500, 700], 6, 1, 2, 4),  # several token blocks, more chunk ids than one block
+    ([900, 400], 64, 1, 1, 16),  # N = 64: eleven token blocks of the partition counts
 ]
 
 
