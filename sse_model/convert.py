@@ -127,3 +127,40 @@ def convert_to_sse(
             mixer.lora_q_proj[1].weight.zero_()
             mixer.lora_k_proj[1].weight.zero_()
     return model
+
+
+@torch.no_grad()
+def export_to_llama(model: SSEForCausalLM):
+    """The Llama model that computes what an all-attention ``model`` (e.g. the ``transformer-2b`` preset) computes:
+    the same weights under transformers' Llama names, for tools that serve only standard architectures (vLLM as
+    the rollout engine's peer). The inverse of :func:`convert_to_sse` on such models."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model.config
+    others = sorted({m for m in cfg.mixer_types if m not in ATTENTION_MIXERS})
+    if others:
+        raise ValueError(f"only all-attention models export to Llama; mixer_types has {others}")
+    if cfg.attention_bias != cfg.output_bias:
+        raise ValueError("Llama has one attention_bias for Q/K/V and O: attention_bias and output_bias must agree")
+    rope = dict(cfg.rope_parameters) if cfg.rope_parameters else dict(rope_type="default", rope_theta=cfg.rope_theta)
+    llama_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.attn_head_dim, hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        attention_bias=cfg.attention_bias, rope_parameters=rope, tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+    )
+    dtype = next(model.parameters()).dtype
+    llama = LlamaForCausalLM(llama_cfg).to(dtype)
+    dst = llama.model
+    dst.embed_tokens.weight.copy_(model.model.embeddings.weight)
+    dst.norm.weight.copy_(model.model.norm.weight)
+    if not cfg.tie_word_embeddings:
+        llama.lm_head.weight.copy_(model.lm_head.weight)
+    for ours, theirs in zip(model.model.layers, dst.layers):
+        theirs.input_layernorm.weight.copy_(ours.attn_norm.weight)
+        theirs.post_attention_layernorm.weight.copy_(ours.mlp_norm.weight)
+        theirs.mlp.load_state_dict(ours.mlp.state_dict())
+        theirs.self_attn.load_state_dict(ours.attn.state_dict())
+    return llama.eval()

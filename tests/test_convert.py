@@ -103,3 +103,38 @@ def test_unsupported_source_is_rejected():
     from sse_model.convert import sse_config_from_transformer
     with pytest.raises(ValueError, match="model_type"):
         sse_config_from_transformer(GPT2Config())
+
+
+@pytest.mark.parametrize("case", ["plain", "gqa-tied-llama3-rope-biases"])
+def test_all_attention_model_exports_to_llama(case):
+    """``export_to_llama`` gives a transformers Llama with the same logits (the peer engines serve Llama), and
+    converting it back gives the same weights."""
+    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.convert import export_to_llama
+
+    extra = {} if case == "plain" else dict(num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True,
+                                            output_bias=True, rope_parameters=ROPE["llama3"])
+    torch.manual_seed(0)
+    config = SSEConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       mixer_types=["attn"] * 3, num_attention_heads=4, max_position_embeddings=256, **extra)
+    model = SSEForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    llama = export_to_llama(model)
+    ids = torch.randint(0, 101, (2, 40))
+    with torch.no_grad():
+        assert_close(llama(ids).logits, model(ids).logits, torch.float32, f"{case}: Llama logits")
+    back = convert_to_sse(llama, mixer_types=["attn"] * 3)
+    want, got = model.state_dict(), back.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_export_to_llama_refuses_linear_mixers():
+    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.convert import export_to_llama
+
+    model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny"))
+    with pytest.raises(ValueError, match="only all-attention models export to Llama.*sse"):
+        export_to_llama(model)
