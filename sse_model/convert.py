@@ -151,8 +151,9 @@ def export_to_llama(model: SSEForCausalLM):
         attention_bias=cfg.attention_bias, rope_parameters=rope, tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
     )
-    dtype = next(model.parameters()).dtype
-    llama = LlamaForCausalLM(llama_cfg).to(dtype)
+    weight = next(model.parameters())
+    with torch.device(weight.device):  # built where the weights are: a 2B model on the GPU in seconds
+        llama = LlamaForCausalLM(llama_cfg).to(weight.dtype)
     dst = llama.model
     dst.embed_tokens.weight.copy_(model.model.embeddings.weight)
     dst.norm.weight.copy_(model.model.norm.weight)

@@ -1,0 +1,166 @@
+"""Rollout throughput against vLLM, the engine GRPO pipelines roll out with; prints one markdown table.
+
+    PYTHONPATH=/tmp/vllm-site:$PWD python -m pipeline.rollout.bench_vllm [--new-tokens 1024 8192 32768]
+
+(vLLM on the path: ``python -m pipeline.rollout.vllm_site``.) Per generation length, three rows on the shapes of
+``pipeline.rollout.benchmark`` (``--prompts`` prompts of ``--prompt-len`` random tokens x ``--samples`` samples,
+EOS ignored, temperature 1): vLLM serving ``transformer-2b`` (random weights, exported as a Llama checkpoint by
+:func:`sse_model.convert.export_to_llama`, bf16), our engine on ``transformer-2b`` and on ``sse-h-2b``. Each runs
+in a fresh process, one after another (vLLM reserves most of the GPU for its KV cache); peak = the most device
+memory in use while it generated, polled, whichever process held it. Goals: our engine on SSE-H >= 1.5x vLLM's
+tokens/s at 8k new tokens and >= 3x at 32k; our engine on the Transformer within 1.3x of vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SYSTEMS = [("vllm", "transformer-2b"), ("engine", "transformer-2b"), ("engine", "sse-h-2b")]
+
+
+class PeakMemory:
+    """The most device memory in use (all processes) while the context runs, polled every 50 ms."""
+
+    def __enter__(self):
+        import torch
+
+        self.peak, self._stop = 0, threading.Event()
+        total = torch.cuda.mem_get_info()[1]
+
+        def poll():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, total - torch.cuda.mem_get_info()[0])
+                time.sleep(0.05)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def prompts(args) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+
+
+def export(path: str) -> None:
+    """``transformer-2b`` with random weights, saved as a bf16 Llama checkpoint."""
+    import torch
+
+    from sse_model.convert import export_to_llama
+
+    from .benchmark import build
+
+    export_to_llama(build("transformer-2b")).save_pretrained(path)
+    torch.cuda.empty_cache()
+
+
+def run_vllm(path: str, args, new_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=args.prompt_len + new_tokens, gpu_memory_utilization=args.vllm_memory)
+    batch = [{"prompt_token_ids": p} for p in prompts(args)]
+    llm.generate(batch[:2], SamplingParams(n=2, max_tokens=8, ignore_eos=True))  # warm-up
+    params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    with PeakMemory() as peak:
+        start = time.perf_counter()
+        outs = llm.generate(batch, params)
+        elapsed = time.perf_counter() - start
+    return dict(tokens=sum(len(c.token_ids) for o in outs for c in o.outputs), seconds=elapsed, peak=peak.peak)
+
+
+def run_engine(preset: str, args, new_tokens: int) -> dict:
+    import kernels
+
+    from .benchmark import build
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    kernels.register()
+    engine = Engine(build(preset), None, max_model_len=args.prompt_len + new_tokens, prefill_chunk_size=8192)
+    batch = prompts(args)
+    engine.generate(batch[:2], SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=0))  # warm-up, graphs
+    params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    with PeakMemory() as peak:
+        start = time.perf_counter()
+        outs = engine.generate(batch, params)
+        elapsed = time.perf_counter() - start
+    return dict(tokens=sum(len(c.token_ids) for o in outs for c in o.outputs), seconds=elapsed, peak=peak.peak,
+                max_slots=engine.max_slots)
+
+
+def table(results: list[dict]) -> str:
+    """Markdown rows of ``results`` (``new_tokens, system, model, tokens, seconds, peak``), each against vLLM's
+    row of the same length."""
+    lines = ["| new tokens | system | model | tokens/s | vs vLLM | peak GiB |", "|---|---|---|---|---|---|"]
+    vllm = {r["new_tokens"]: r["tokens"] / r["seconds"] for r in results if r["system"] == "vllm"}
+    for r in results:
+        tps = r["tokens"] / r["seconds"]
+        ref = vllm.get(r["new_tokens"])
+        ratio = f"{tps / ref:.2f}x" if ref else "-"
+        lines.append(f"| {r['new_tokens']} | {r['system']} | {r['model']} | {tps:,.0f} | {ratio} | "
+                     f"{r['peak'] / 2**30:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new-tokens", type=int, nargs="*", default=[1024, 8192, 32768])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--vllm-memory", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
+    parser.add_argument("--systems", nargs="*", default=[f"{s}:{m}" for s, m in SYSTEMS])
+    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "MODEL", "NEW_TOKENS", "LLAMA_PATH"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        system, model, new_tokens, path = args.child
+        if system == "export":
+            export(path)
+            return
+        run = run_vllm(path, args, int(new_tokens)) if system == "vllm" else run_engine(model, args, int(new_tokens))
+        print("RESULT " + json.dumps(run), flush=True)
+        return
+    common = ["--prompts", str(args.prompts), "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
+              "--vllm-memory", str(args.vllm_memory)]
+
+    def child(*fields) -> dict | None:
+        cmd = [sys.executable, "-m", "pipeline.rollout.bench_vllm", *common, "--child", *map(str, fields)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        found = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode != 0 or (fields[0] != "export" and not found):
+            print(f"{' '.join(map(str, fields[:3]))} failed (exit {out.returncode}):\n{out.stderr[-3000:]}", flush=True)
+            return None
+        return json.loads(found[-1][7:]) if found else {}
+
+    results = []
+    with tempfile.TemporaryDirectory() as path:
+        systems = [s.split(":") for s in args.systems]
+        if any(s == "vllm" for s, _ in systems) and child("export", "transformer-2b", 0, path) is None:
+            raise SystemExit("exporting transformer-2b as Llama failed")
+        for new_tokens in args.new_tokens:
+            for system, model in systems:
+                run = child(system, model, new_tokens, path)
+                if run is not None:
+                    results.append(dict(run, system=system, model=model, new_tokens=new_tokens))
+                    print(f"{system} {model} {new_tokens}: {run['tokens'] / run['seconds']:,.0f} tok/s", flush=True)
+    print(f"\n### Rollout: {args.prompts} prompts of {args.prompt_len} tokens x {args.samples} samples\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
