@@ -202,7 +202,8 @@ def table_overlap(tokens: int, lengths: list[int]) -> None:
     """The side stream's gain (``kernels.sse_chunk.OVERLAP``), both settings in one process, alternated."""
     from kernels import sse_chunk
 
-    print(f"\n### (b') Sparse work on a side stream beside the shared walk, ms (B x T = {tokens}, D={D}, N=4, K=1, bf16)\n")
+    print(f"\n### (b') Sparse work on a side stream beside the shared walk, ms (B x T = {tokens}, D={D}, N=4, K=1, "
+          "bf16)\n")
     print("| T | B | H | fwd, one stream | fwd, side stream | f+b, one stream | f+b, side stream | f+b gain |")
     print("|---|---|---|---|---|---|---|---|")
     for heads in (H, 8):

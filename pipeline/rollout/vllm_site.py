@@ -6,7 +6,7 @@ manylinux x86_64, no dependency resolution: the image's torch, transformers, num
 unpacks them into one site folder, drops what an H100 run never loads (the FlashAttention-2 library, sm100
 sources, the other Pythons' builds, the web UI), and writes an ``.tar.xz`` split into parts:
 
-    python -m pipeline.rollout.vllm_site pack [--out .device-vllm] [--part-mb 60]
+    python -m pipeline.rollout.vllm_site pack [--out .device-vllm] [--part-mb 45]
 
 It prints one device command per part (send them one right after another: a warm machine keeps ``/tmp``), then
 the command that joins the parts, unpacks them to ``/tmp/vllm-site`` and runs the check:
@@ -52,7 +52,9 @@ DROP = [
     "**/*.pyi", "**/__pycache__",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
-            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+            "--platform", "manylinux_2_35_x86_64", "--platform", "manylinux_2_34_x86_64",  # llguidance: 2.31
+            "--platform", "manylinux_2_31_x86_64", "--platform", "manylinux_2_28_x86_64",
+            "--platform", "manylinux_2_17_x86_64",
             "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_5_x86_64", "--platform", "any"]
 
 
@@ -163,7 +165,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack")
     p.add_argument("--out", type=Path, default=Path(".device-vllm"))
-    p.add_argument("--part-mb", type=int, default=60)
+    p.add_argument("--part-mb", type=int, default=45, help="a call carries 64 MiB with the working tree (~12 MB)")
     p.add_argument("--extra", nargs="*", default=[], help="more packages (what check said was missing)")
     sub.add_parser("check")
     args = parser.parse_args()
