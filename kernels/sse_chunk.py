@@ -544,9 +544,9 @@ class _Overlap:
 
     The shared walk is one sequential pass over a whole sequence; the sparse segments are ``NP`` times shorter
     at K = 1, so after them the GPU would run only the shared walk's few programs (64 at 2 x 16k tokens and 8
-    heads). On the side stream the sparse walk and the sparse per-chunk launches fill those SMs. ``enter``
-    forks (the side stream waits for what the current stream has queued), ``join`` makes the current stream
-    wait for the side stream. Tensors used on the side stream are allocated before the fork and the current
+    heads). On the side stream the sparse walk and the sparse per-chunk launches fill those SMs. Creating it
+    forks (the side stream waits for what the current stream has queued so far), launches inside ``with`` go to
+    the side stream, and ``join`` makes the current stream wait for the side stream. Tensors used on the side stream are allocated before the fork and the current
     stream joins before anything frees them, so the caching allocator never reuses their memory early. On the
     CPU (the interpreter) both are no-ops and the order of launches is the same.
     """
