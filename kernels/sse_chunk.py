@@ -546,9 +546,10 @@ class _Overlap:
     at K = 1, so after them the GPU would run only the shared walk's few programs (64 at 2 x 16k tokens and 8
     heads). On the side stream the sparse walk and the sparse per-chunk launches fill those SMs. Creating it
     forks (the side stream waits for what the current stream has queued so far), launches inside ``with`` go to
-    the side stream, and ``join`` makes the current stream wait for the side stream. Tensors used on the side stream are allocated before the fork and the current
-    stream joins before anything frees them, so the caching allocator never reuses their memory early. On the
-    CPU (the interpreter) both are no-ops and the order of launches is the same.
+    the side stream, and ``join`` makes the current stream wait for the side stream. Tensors used on the side
+    stream are allocated before the fork and the current stream joins before anything frees them, so the
+    caching allocator never reuses their memory early. On the CPU (the interpreter) all of it is a no-op and
+    the order of launches is the same.
     """
 
     def __init__(self, device: torch.device):
@@ -768,7 +769,7 @@ class _SSEPlan:
     @classmethod
     def build(cls, routing: Routing, cu: torch.Tensor, chunk: int) -> "_SSEPlan":
         """With the plan kernels (``kernels/plan.py``): what ``VarlenPlan.build`` and ``ChunkPlan.build``
-        define, in four launches."""
+        define, in five launches."""
         N = routing.num_sparse_partitions
         topk = routing.topk.reshape(-1, routing.topk.shape[-1])
         tables, (pairs, tok, source, write, read) = build_plans(cu, topk.shape[0], topk, N, routing.num_writers,

@@ -43,8 +43,8 @@ CATEGORIES = [  # (category, pattern of kernel names), first match wins
     ("attention", r"flash|fmha|attention|sdpa"),
     ("matmul", r"gemm|cutlass|nvjet|sm90_|cublas|splitK"),
     ("fused norm/features", r"^_(rms|gated|norm|sse_feat|feat)"),
-    ("routing/plan", r"route|^_(count_before|segments|pairs|chunks)$|topk|sort|scan|searchsorted|cumsum|bincount|"
-                     r"histc|index|scatter|gather"),
+    ("routing/plan", r"route|^_(block_counts|count_before|segments|pairs|chunks)$|topk|sort|scan|searchsorted|"
+                     r"cumsum|bincount|histc|index|scatter|gather"),
     ("cross-entropy/softmax", r"softmax|log_softmax|nll|cross"),
     ("elementwise/other", r""),
 ]

@@ -29,8 +29,9 @@ import zipfile
 from pathlib import Path
 
 VLLM = "vllm==0.25.1"
-# What ``from vllm import LLM`` imported beyond the GPU image (found by importing it with everything else
-# absent), and flashinfer, vLLM's sampler and attention backend on Hopper.
+# flashinfer (vLLM's sampler and attention backend on Hopper), the modules ``from vllm import LLM`` found
+# missing when imported on a CPU machine with this project installed (cbor2 ... partial-json-parser), and
+# vLLM's other requirements that the GPU image may lack (not yet checked there: ``check`` names what is missing).
 DEPENDENCIES = [
     "flashinfer-python==0.6.13", "apache-tvm-ffi==0.1.9", "cbor2", "pyzmq", "aiohttp", "multidict", "yarl",
     "propcache", "aiohappyeyeballs", "aiosignal", "frozenlist", "openai-harmony", "openai", "msgspec", "pybase64",
