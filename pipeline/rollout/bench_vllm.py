@@ -52,7 +52,7 @@ def prompts(args) -> list[list[int]]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    return [torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts[0])]
 
 
 def export(path: str) -> None:
@@ -105,13 +105,15 @@ def run_engine(preset: str, args, new_tokens: int) -> dict:
 def table(results: list[dict]) -> str:
     """Markdown rows of ``results`` (``new_tokens, system, model, tokens, seconds, peak``), each against vLLM's
     row of the same length."""
-    lines = ["| new tokens | system | model | tokens/s | vs vLLM | peak GiB |", "|---|---|---|---|---|---|"]
+    lines = ["| new tokens | sequences | system | model | tokens/s | vs vLLM | peak GiB |",
+             "|---|---|---|---|---|---|---|"]
     vllm = {r["new_tokens"]: r["tokens"] / r["seconds"] for r in results if r["system"] == "vllm"}
     for r in results:
         tps = r["tokens"] / r["seconds"]
         ref = vllm.get(r["new_tokens"])
         ratio = f"{tps / ref:.2f}x" if ref else "-"
-        lines.append(f"| {r['new_tokens']} | {r['system']} | {r['model']} | {tps:,.0f} | {ratio} | "
+        seqs = f"{r.get('prompts', '?')} x {r.get('samples', '?')}"
+        lines.append(f"| {r['new_tokens']} | {seqs} | {r['system']} | {r['model']} | {tps:,.0f} | {ratio} | "
                      f"{r['peak'] / 2**30:.1f} |")
     return "\n".join(lines)
 
@@ -119,14 +121,21 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, nargs="*", default=[1024, 8192, 32768])
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, nargs="*", default=[32],
+                        help="prompts per generation length (one value: the same for every length)")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--vllm-memory", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
     parser.add_argument("--systems", nargs="*", default=[f"{s}:{m}" for s, m in SYSTEMS])
+    parser.add_argument("--llama-dir", type=Path, default=None,
+                        help="where transformer-2b as Llama is kept (reused when there; default: a temporary folder)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="JSON lines: each row is appended as it finishes and the table covers the whole file")
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "MODEL", "NEW_TOKENS", "LLAMA_PATH"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if len(args.prompts) not in (1, len(args.new_tokens)):
+        parser.error(f"--prompts takes one value or one per --new-tokens ({len(args.new_tokens)})")
     if args.child:
         system, model, new_tokens, path = args.child
         if system == "export":
@@ -135,10 +144,10 @@ def main() -> None:
         run = run_vllm(path, args, int(new_tokens)) if system == "vllm" else run_engine(model, args, int(new_tokens))
         print("RESULT " + json.dumps(run), flush=True)
         return
-    common = ["--prompts", str(args.prompts), "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
-              "--vllm-memory", str(args.vllm_memory)]
-
-    def child(*fields) -> dict | None:
+    def child(system, model, new_tokens, path, prompts=1) -> dict | None:
+        common = ["--prompts", str(prompts), "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
+                  "--vllm-memory", str(args.vllm_memory)]
+        fields = (system, model, new_tokens, path)
         cmd = [sys.executable, "-m", "pipeline.rollout.bench_vllm", *common, "--child", *map(str, fields)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         found = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -147,18 +156,29 @@ def main() -> None:
             return None
         return json.loads(found[-1][7:]) if found else {}
 
-    results = []
-    with tempfile.TemporaryDirectory() as path:
+    results = [json.loads(line) for line in args.results.read_text().splitlines()] \
+        if args.results is not None and args.results.exists() else []
+    per_length = dict(zip(args.new_tokens, args.prompts * len(args.new_tokens) if len(args.prompts) == 1
+                          else args.prompts))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(args.llama_dir or tmp)
         systems = [s.split(":") for s in args.systems]
-        if any(s == "vllm" for s, _ in systems) and child("export", "transformer-2b", 0, path) is None:
+        exported = Path(path, "config.json").exists()
+        if any(s == "vllm" for s, _ in systems) and not exported and child("export", "-", 0, path) is None:
             raise SystemExit("exporting transformer-2b as Llama failed")
-        for new_tokens in args.new_tokens:
+        for new_tokens, n_prompts in per_length.items():
             for system, model in systems:
-                run = child(system, model, new_tokens, path)
-                if run is not None:
-                    results.append(dict(run, system=system, model=model, new_tokens=new_tokens))
-                    print(f"{system} {model} {new_tokens}: {run['tokens'] / run['seconds']:,.0f} tok/s", flush=True)
-    print(f"\n### Rollout: {args.prompts} prompts of {args.prompt_len} tokens x {args.samples} samples\n")
+                run = child(system, model, new_tokens, path, n_prompts)
+                if run is None:
+                    continue
+                row = dict(run, system=system, model=model, new_tokens=new_tokens, prompts=n_prompts,
+                           samples=args.samples, prompt_len=args.prompt_len)
+                results.append(row)
+                if args.results is not None:
+                    with args.results.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                print(f"{system} {model} {new_tokens}: {run['tokens'] / run['seconds']:,.0f} tok/s", flush=True)
+    print(f"\n### Rollout: prompts of {args.prompt_len} tokens x {args.samples} samples, EOS ignored\n")
     print(table(results))
 
 

@@ -29,27 +29,28 @@ import zipfile
 from pathlib import Path
 
 VLLM = "vllm==0.25.1"
-# flashinfer (vLLM's sampler and attention backend on Hopper), the modules ``from vllm import LLM`` found
-# missing when imported on a CPU machine with this project installed (cbor2 ... partial-json-parser), and
-# vLLM's other requirements that the GPU image may lack (not yet checked there: ``check`` names what is missing).
+# vLLM's requirements that the GPU image lacks, for CPython 3.12: flashinfer (vLLM's FlashInfer paths; FA3
+# serves attention on Hopper), the modules ``from vllm import LLM`` found missing when imported on a CPU machine
+# (cbor2 ... partial-json-parser), and the rest of vLLM's METADATA that the image does not list. What the image
+# has (aiohttp, numba, pillow, protobuf, requests, tiktoken, uvloop...) is used as it is; ``check`` names
+# anything still missing.
 DEPENDENCIES = [
-    "flashinfer-python==0.6.13", "apache-tvm-ffi==0.1.9", "cbor2", "pyzmq", "aiohttp", "multidict", "yarl",
-    "propcache", "aiohappyeyeballs", "aiosignal", "frozenlist", "openai-harmony", "openai", "msgspec", "pybase64",
-    "cachetools", "uvloop", "prometheus_client", "llguidance<1.8.0,>=1.7.0", "xgrammar<1.0.0,>=0.2.1",
-    "fastapi<0.137.0,>=0.133.0", "starlette>=1.0.1", "opentelemetry-api>=1.27.0", "partial-json-parser", "blake3",
-    "py-cpuinfo", "diskcache==5.6.3", "lark==1.2.2", "outlines_core==0.2.14", "gguf", "depyf==0.20.0",
-    "compressed-tensors==0.17.0", "numba==0.65.0", "llvmlite", "pydantic>=2.12.0", "pydantic-core",
-    "annotated-types", "typing-inspection", "anyio", "sniffio", "distro", "jiter", "httpx", "httpcore", "h11",
-    "certifi", "idna", "setproctitle", "watchfiles", "python-json-logger", "ijson", "cloudpickle", "psutil",
-    "sentencepiece", "tiktoken", "regex", "requests", "charset-normalizer", "urllib3", "pyyaml", "protobuf",
-    "msgpack", "mistral_common>=1.11.5", "pillow", "jsonschema", "jsonschema-specifications", "referencing",
-    "rpds-py", "attrs", "einops", "six", "filelock", "typing_extensions",
+    "flashinfer-python==0.6.13", "apache-tvm-ffi==0.1.9", "cbor2", "pyzmq", "openai-harmony", "openai", "msgspec",
+    "pybase64", "cachetools", "llguidance<1.8.0,>=1.7.0", "xgrammar<1.0.0,>=0.2.1", "fastapi<0.137.0,>=0.133.0",
+    "starlette>=1.0.1", "opentelemetry-api>=1.27.0", "partial-json-parser", "blake3", "diskcache==5.6.3",
+    "lark==1.2.2", "outlines_core==0.2.14", "gguf", "depyf==0.20.0", "compressed-tensors==0.17.0",
+    "pydantic>=2.12.0", "pydantic-core", "annotated-types", "typing-inspection", "sniffio", "distro", "jiter",
+    "setproctitle", "watchfiles", "python-json-logger", "ijson", "mistral_common>=1.11.5", "jsonschema",
+    "jsonschema-specifications", "referencing", "rpds-py", "astor", "dill",
 ]
 # Paths (globs, relative to the site) an H100 run of ``vllm.LLM`` never loads.
 DROP = [
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FlashAttention 2: vLLM takes FA3 on Hopper
     "vllm/third_party/fmha_sm100", "vllm/entrypoints/serve/instrumentator/static",
     "vllm/third_party/deep_gemm/_C.cpython-31[013-9]-*.so", "vllm/third_party/deep_gemm/include",
+    "vllm/vllm-rs",  # the Rust serving frontend (38 MB); ``vllm.LLM`` runs in Python
+    "flashinfer/data",  # FlashInfer's JIT sources (74 MB): only its JIT-compiled kernels need them
+    "mistral_common/data",  # Mistral tokenizer files (36 MB); the checks skip tokenizer initialisation
     "**/*.pyi", "**/__pycache__",
 ]
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
