@@ -5,7 +5,8 @@
 (vLLM on the path: ``python -m pipeline.rollout.vllm_site``.) Per generation length, three rows on the shapes of
 ``pipeline.rollout.benchmark`` (``--prompts`` prompts of ``--prompt-len`` random tokens x ``--samples`` samples,
 EOS ignored, temperature 1): vLLM serving ``transformer-2b`` (random weights, exported as a Llama checkpoint by
-:func:`sse_model.convert.export_to_llama`, bf16), our engine on ``transformer-2b`` and on ``sse-h-2b``. Each runs
+:func:`sse_model.convert.export_to_llama`, bf16), our engine on ``transformer-2b`` and on ``sse-h-2b``;
+``--systems ... vllm:sse-h-2b`` adds SSE-H served by vLLM through :mod:`pipeline.rollout.vllm_plugin`. Each runs
 in a fresh process, one after another (vLLM reserves most of the GPU for its KV cache); peak = the most device
 memory in use while it generated, polled, whichever process held it. Goals: our engine on SSE-H >= 1.5x vLLM's
 tokens/s at 8k new tokens and >= 3x at 32k; our engine on the Transformer within 1.3x of vLLM.
@@ -55,23 +56,33 @@ def prompts(args) -> list[list[int]]:
     return [torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts[0])]
 
 
-def export(path: str) -> None:
-    """``transformer-2b`` with random weights, saved as a bf16 Llama checkpoint."""
+def export(path: str, preset: str) -> None:
+    """``preset`` with random weights as a bf16 checkpoint vLLM serves: attention-only models as Llama, SSE models
+    as ``SSEForCausalLM`` (served through :mod:`pipeline.rollout.vllm_plugin`)."""
     import torch
 
     from sse_model.convert import export_to_llama
 
     from .benchmark import build
+    from .vllm_plugin import linear_kind
 
-    export_to_llama(build("transformer-2b")).save_pretrained(path)
+    model = build(preset)
+    (model if linear_kind(model.config) else export_to_llama(model)).save_pretrained(path)
     torch.cuda.empty_cache()
 
 
 def run_vllm(path: str, args, new_tokens: int) -> dict:
+    from .vllm_plugin import register
+    from .vllm_site import vllm_environment
+
+    vllm_environment()
+    register()
     from vllm import LLM, SamplingParams
 
+    sse = Path(path, "config.json").read_text().find('"SSEForCausalLM"') >= 0
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              max_model_len=args.prompt_len + new_tokens, gpu_memory_utilization=args.vllm_memory)
+              max_model_len=args.prompt_len + new_tokens, gpu_memory_utilization=args.vllm_memory,
+              enforce_eager=args.vllm_eager, **(dict(enable_prefix_caching=False) if sse else {}))
     batch = [{"prompt_token_ids": p} for p in prompts(args)]
     llm.generate(batch[:2], SamplingParams(n=2, max_tokens=8, ignore_eos=True))  # warm-up
     params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
@@ -126,12 +137,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--vllm-memory", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM without CUDA graphs (enforce_eager)")
     parser.add_argument("--systems", nargs="*", default=[f"{s}:{m}" for s, m in SYSTEMS])
-    parser.add_argument("--llama-dir", type=Path, default=None,
-                        help="where transformer-2b as Llama is kept (reused when there; default: a temporary folder)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="where the checkpoints vLLM serves are kept, one folder per preset (reused when there; "
+                             "default: a temporary folder)")
     parser.add_argument("--results", type=Path, default=None,
                         help="JSON lines: each row is appended as it finishes and the table covers the whole file")
-    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "MODEL", "NEW_TOKENS", "LLAMA_PATH"),
+    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "MODEL", "NEW_TOKENS", "CHECKPOINT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if len(args.prompts) not in (1, len(args.new_tokens)):
@@ -139,14 +152,14 @@ def main() -> None:
     if args.child:
         system, model, new_tokens, path = args.child
         if system == "export":
-            export(path)
+            export(path, model)
             return
         run = run_vllm(path, args, int(new_tokens)) if system == "vllm" else run_engine(model, args, int(new_tokens))
         print("RESULT " + json.dumps(run), flush=True)
         return
     def child(system, model, new_tokens, path, prompts=1) -> dict | None:
         common = ["--prompts", str(prompts), "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
-                  "--vllm-memory", str(args.vllm_memory)]
+                  "--vllm-memory", str(args.vllm_memory), *(["--vllm-eager"] if args.vllm_eager else [])]
         fields = (system, model, new_tokens, path)
         cmd = [sys.executable, "-m", "pipeline.rollout.bench_vllm", *common, "--child", *map(str, fields)]
         out = subprocess.run(cmd, capture_output=True, text=True)
@@ -161,14 +174,14 @@ def main() -> None:
     per_length = dict(zip(args.new_tokens, args.prompts * len(args.new_tokens) if len(args.prompts) == 1
                           else args.prompts))
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(args.llama_dir or tmp)
         systems = [s.split(":") for s in args.systems]
-        exported = Path(path, "config.json").exists()
-        if any(s == "vllm" for s, _ in systems) and not exported and child("export", "-", 0, path) is None:
-            raise SystemExit("exporting transformer-2b as Llama failed")
+        checkpoints = {model: str(Path(args.model_dir or tmp, model)) for system, model in systems if system == "vllm"}
+        for model, path in checkpoints.items():
+            if not Path(path, "config.json").exists() and child("export", model, 0, path) is None:
+                raise SystemExit(f"saving {model} for vLLM failed")
         for new_tokens, n_prompts in per_length.items():
             for system, model in systems:
-                run = child(system, model, new_tokens, path, n_prompts)
+                run = child(system, model, new_tokens, checkpoints.get(model, "-"), n_prompts)
                 if run is None:
                     continue
                 row = dict(run, system=system, model=model, new_tokens=new_tokens, prompts=n_prompts,

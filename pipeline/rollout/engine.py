@@ -192,6 +192,7 @@ class Engine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple[int, int], tuple] = {}
+        self._graph_pool = None  # one memory pool for every captured graph: the largest bucket's, not their sum
 
     def _plan_memory(self, max_slots: int | None, num_blocks: int | None) -> tuple[int, int]:
         """``(max_slots, num_blocks)`` within the memory budget (``num_blocks`` given: as given); one sequence of
@@ -272,6 +273,7 @@ class Engine:
             raise RuntimeError("sleep while requests are in flight")
         self.cache = None
         self._graphs.clear()
+        self._graph_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -525,7 +527,10 @@ class Engine:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         self.cache.lengths[self.scratch_slot] = 0
-        with torch.cuda.graph(graph):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        # Sharing the pool is safe: graphs replay one at a time and each step reads its logits before the next.
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             static_logits = run()
         self.cache.lengths.copy_(lengths)
         self._graphs[(size, view_blocks)] = (graph, static_ids, static_slots, static_logits)

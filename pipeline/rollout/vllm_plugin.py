@@ -1,0 +1,87 @@
+"""SSE models in vLLM: the out-of-tree model plugin and the parts of it that need no vLLM.
+
+vLLM calls :func:`register` in each of its processes through the ``vllm.general_plugins`` entry point
+(``pyproject.toml``); it registers ``SSEForCausalLM`` with vLLM's ``ModelRegistry`` (the model itself is
+:mod:`pipeline.rollout.vllm_model`, imported by vLLM only when it loads such a checkpoint). In vLLM:
+
+- softmax-attention layers (``attn``, ``swa``) run through vLLM's ``Attention`` (paged KV cache, its kernels);
+- linear layers (``sse``, ``gla``, ``gdn``, ``retnet``) are stateful, mamba-style layers: vLLM keeps one state row
+  per sequence, ``[1 + N, H, K, V]`` float32 for SSE (the shared partition and the N sparse ones, as in this
+  package's :class:`~sse_model.cache.SlotCache`), and each layer runs this package's own mixer over it: our Triton
+  decode kernel for one token per sequence, the chunked kernels for prompts;
+- embeddings, norms, MLPs and the head are this package's modules, so a checkpoint of ``SSEForCausalLM`` loads by
+  name (:func:`vllm_weight_name`).
+
+Limits (checked by :func:`check_supported`): one GPU (no tensor parallelism), one kind of linear layer per model
+(vLLM gives every stateful layer one state shape), and the attention head size equal to ``head_dim`` (vLLM sizes
+its KV pages from ``head_dim``). Prefix caching is off: a state row holds a whole sequence, not a block of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ARCHITECTURE = "SSEForCausalLM"
+MODEL_CLASS = "pipeline.rollout.vllm_model:SSEForCausalLMVllm"
+LINEAR_MIXERS = ("sse", "gla", "gdn", "retnet")
+STATE_DTYPE = torch.float32  # as the rollout engine keeps them: bf16 states drift over 32k tokens
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: our config for ``AutoConfig``, our model for vLLM."""
+    from vllm import ModelRegistry
+
+    import sse_model  # noqa: F401  (registers SSEConfig with AutoConfig)
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+
+
+def linear_kind(config) -> str | None:
+    """The model's one kind of linear layer (None: attention only)."""
+    kinds = sorted({k for k in config.mixer_types if k in LINEAR_MIXERS})
+    if len(kinds) > 1:
+        raise ValueError(f"mixer_types mixes linear layers {kinds}; vLLM gives every stateful layer one state "
+                         "shape, so a model served by vLLM has one kind")
+    return kinds[0] if kinds else None
+
+
+def check_supported(config, tensor_parallel_size: int = 1) -> None:
+    """Raises ``ValueError`` naming the setting that vLLM cannot serve."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: the SSE plugin runs on one GPU")
+    if linear_kind(config) is None:
+        raise ValueError("mixer_types has no linear layer: serve an attention-only model as Llama "
+                         "(sse_model.convert.export_to_llama)")
+    if any(k in ("attn", "swa") for k in config.mixer_types) and config.attn_head_dim != config.head_dim:
+        raise ValueError(f"attention head size {config.attn_head_dim} differs from head_dim {config.head_dim}; "
+                         "vLLM sizes the KV cache from head_dim")
+
+
+def state_shapes(config) -> tuple[tuple[int, ...], ...]:
+    """Per-sequence state of each linear layer, vLLM's ``get_state_shape``: the recurrent state, then (with short
+    convolutions) the query and key convolution caches. ``()`` for attention-only models."""
+    from sse_model.cache import linear_state_shapes
+
+    kind = linear_kind(config)
+    if kind is None:
+        return ()
+    recurrent, conv = linear_state_shapes(config, kind)
+    return (recurrent,) if conv is None else (recurrent, conv, conv)
+
+
+def state_dtypes(config, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The recurrent state in float32, the convolution caches in the model's dtype (as the rollout engine)."""
+    return tuple([STATE_DTYPE] + [model_dtype] * (len(state_shapes(config)) - 1))
+
+
+def vllm_weight_name(name: str) -> str | None:
+    """A checkpoint tensor's parameter in the vLLM model: each mixer sits in a vLLM layer as ``.inner``
+    (``model.layers.3.attn.q_proj.weight`` -> ``model.layers.3.attn.inner.q_proj.weight``); None: not a parameter
+    (rotary frequencies are rebuilt, not loaded)."""
+    if name.endswith(".inv_freq"):
+        return None
+    parts = name.split(".")
+    if len(parts) > 4 and parts[0] == "model" and parts[1] == "layers" and parts[3] == "attn":
+        return ".".join(parts[:4] + ["inner"] + parts[4:])
+    return name
