@@ -143,7 +143,8 @@ def main() -> None:
                         help="where the checkpoints vLLM serves are kept, one folder per preset (reused when there; "
                              "default: a temporary folder)")
     parser.add_argument("--results", type=Path, default=None,
-                        help="JSON lines: each row is appended as it finishes and the table covers the whole file")
+                        help="JSON lines: each row is appended as it finishes and the table covers the whole file; "
+                             "each run's own log is written beside it")
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "MODEL", "NEW_TOKENS", "CHECKPOINT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -163,6 +164,9 @@ def main() -> None:
         fields = (system, model, new_tokens, path)
         cmd = [sys.executable, "-m", "pipeline.rollout.bench_vllm", *common, "--child", *map(str, fields)]
         out = subprocess.run(cmd, capture_output=True, text=True)
+        if args.results is not None:  # vLLM's own log says how it ran (CUDA graphs, KV cache size, concurrency)
+            log = args.results.with_name(f"{args.results.stem}-{system}-{model}-{new_tokens}.log")
+            log.write_text(out.stdout + out.stderr)
         found = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or (fields[0] != "export" and not found):
             print(f"{' '.join(map(str, fields[:3]))} failed (exit {out.returncode}):\n{out.stderr[-3000:]}", flush=True)
