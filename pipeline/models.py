@@ -121,7 +121,7 @@ def engine_options(recipe, engine_config, max_model_len: int) -> dict:
     """The rollout engine's construction options for a stage (GRPO's fleet, evaluation's engine): one place,
     so that both stages serve a recipe's model the same way."""
     budget = engine_config.memory_budget_gb
-    return dict(max_slots=engine_config.max_slots, memory_budget=int(budget * 1024**3) if budget else None,
+    return dict(backend=engine_config.backend, max_slots=engine_config.max_slots, memory_budget=int(budget * 1024**3) if budget else None,
                 max_model_len=max_model_len, prefill_chunk_size=engine_config.prefill_chunk_size,
                 block_size=engine_config.block_size,
                 use_cuda_graphs=engine_config.use_cuda_graphs,

@@ -103,6 +103,7 @@ class DistillConfig:
 
 @dataclass
 class EngineConfig:
+    backend: str = bounded("sse", choices=("sse", "vllm"))  # this package's engine, or vLLM with the SSE plugin
     max_slots: int | None = bounded(None, ge=1)
     memory_budget_gb: float | None = bounded(None, gt=0)
     prefill_chunk_size: int = bounded(2048, ge=1)

@@ -3,4 +3,19 @@
 from .engine import CompletionOutput, Engine, RequestOutput
 from .sampling import SamplingParams, sample
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "sample"]
+BACKENDS = ("sse", "vllm")
+
+
+def create_engine(model, tokenizer=None, backend: str = "sse", **options):
+    """The rollout engine a recipe's ``engine.backend`` names: ``sse`` (this package's :class:`Engine`) or ``vllm``
+    (:class:`~pipeline.rollout.vllm_engine.VllmEngine`, which serves a checkpoint folder)."""
+    if backend == "vllm":
+        from .vllm_engine import VllmEngine
+
+        return VllmEngine(model, tokenizer, **options)
+    if backend != "sse":
+        raise ValueError(f"engine.backend: {backend!r}; expected one of {BACKENDS}")
+    return Engine(model, tokenizer, **options)
+
+
+__all__ = ["BACKENDS", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "create_engine", "sample"]

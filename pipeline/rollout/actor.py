@@ -8,14 +8,16 @@ import logging
 import ray
 import torch
 
-from .engine import Engine, RequestOutput
+from . import create_engine
+from .engine import RequestOutput
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    """An :class:`Engine` inside a Ray actor; same methods, results returned by value."""
+    """A rollout engine (``engine.backend``: :class:`Engine` or vLLM) inside a Ray actor; same methods, results
+    returned by value."""
 
     def __init__(self, model, tokenizer=None, sleep_between_calls: bool = False, **engine_kwargs):
         from ..storage import materialize
@@ -24,7 +26,7 @@ class RolloutWorker:
         self.source = model if isinstance(model, str) else None
         if isinstance(model, str):  # a local checkpoint, or a stored one this node fetches into its cache
             model = str(materialize(model))
-        self.engine = Engine(model, tokenizer, **engine_kwargs)
+        self.engine = create_engine(model, tokenizer, **engine_kwargs)
         self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
 
     def generate(self, prompts, sampling_params) -> list[RequestOutput]:

@@ -53,13 +53,14 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     checkpoint = str(materialize(location))
     model_id = identity(location) if is_stored(location) else model_identity(checkpoint)
     model, tokenizer = load_model(recipe.model, checkpoint)
-    model = model.to(device).eval()
+    served_by_vllm = cfg.backend == "engine" and cfg.engine.backend == "vllm"
+    model = model.eval() if served_by_vllm else model.to(device).eval()  # vLLM loads the checkpoint itself
     if cfg.backend == "engine":
-        from ..rollout import Engine
+        from ..rollout import create_engine
         from ..rollout.backend import EngineBackend
 
         options = engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_new_tokens)
-        engine = Engine(model, tokenizer, **options)
+        engine = create_engine(checkpoint if served_by_vllm else model, tokenizer, **options)
         backend = EngineBackend(engine)
     else:
         backend = HFGenerateBackend(model, tokenizer)
