@@ -1,0 +1,64 @@
+"""``engine.backend: vllm`` on a GPU: :class:`~pipeline.rollout.vllm_engine.VllmEngine` (vLLM with this package's
+plugin) against this package's engine on a small random SSE-H: greedy tokens, then again after new weights and
+after a sleep. ``PYTHONPATH=/tmp/vllm-site:$PWD pytest -s tests/gpu/test_vllm_gpu.py`` (vLLM on the path:
+``python -m pipeline.rollout.vllm_site``)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import kernels  # noqa: E402
+from pipeline.rollout import Engine, SamplingParams, create_engine  # noqa: E402
+from sse_model import SSEConfig, SSEForCausalLM  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def small_sse_h(seed: int) -> SSEForCausalLM:
+    torch.manual_seed(seed)
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=512, hidden_size=512, num_heads=4, head_dim=128,
+                                   num_attention_heads=4, intermediate_size=1024)
+    model = SSEForCausalLM(config)
+    with torch.no_grad():  # confident logits: bf16 rounding (vLLM's attention kernels, ours) flips no near-tie
+        model.lm_head.weight.mul_(20)
+    return model.to(torch.bfloat16)
+
+
+def engine_tokens(model: SSEForCausalLM, prompts) -> list[list[int]]:
+    kernels.register()
+    engine = Engine(model.cuda(), None, max_model_len=512, max_slots=8)
+    tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
+    del engine
+    model.cpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens
+
+
+def test_vllm_engine_follows_weights_and_sleep(tmp_path):
+    first, second = small_sse_h(0), small_sse_h(1)
+    first.save_pretrained(tmp_path)
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 200)]
+    want_first, want_second = engine_tokens(first, prompts), engine_tokens(second, prompts)
+    assert want_first != want_second  # the check below can tell the two models apart
+
+    engine = create_engine(str(tmp_path), None, backend="vllm", max_slots=8, max_model_len=512,
+                           memory_budget=2 * 1024**3, use_cuda_graphs=False)
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
+    assert got == want_first
+    engine.update_weights(second.state_dict(), version=5)
+    assert engine.get_stats()["weights_version"] == 5
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)] == want_second
+    engine.sleep()
+    engine.wake_up()
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({out.request_id: out for out in engine.step()})
+    assert [done[i].outputs[0].token_ids for i in ids] == want_second
+    assert engine.capacity(512) >= 1
