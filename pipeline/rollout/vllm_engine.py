@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .engine import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 
@@ -56,9 +58,9 @@ class WeightLoader:
 
 class VllmEngine:
     """``VllmEngine(checkpoint, tokenizer, **engine_options)``: the options of :func:`pipeline.models.engine_options`
-    (``max_slots`` -> vLLM's ``max_num_seqs``, ``memory_budget`` -> its KV/state cache bytes, ``prefill_chunk_size``
-    -> tokens per step, ``use_cuda_graphs=False`` -> eager); ``block_size`` is vLLM's to choose for SSE models (a
-    state row must fit a KV page)."""
+    (``max_slots`` -> vLLM's ``max_num_seqs``; ``memory_budget`` -> its KV/state cache bytes, by default 90% of the
+    memory free when it starts, as the engine; ``prefill_chunk_size`` -> tokens per step; ``use_cuda_graphs=False``
+    -> eager). ``block_size`` is vLLM's to choose for SSE models (a state row must fit a KV page)."""
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, memory_budget: int | None = None,
                  max_model_len: int = 4096, prefill_chunk_size: int = 2048, block_size: int | None = None,
@@ -73,6 +75,7 @@ class VllmEngine:
         register()
         from vllm import LLM
 
+        free, total = torch.cuda.mem_get_info()  # as the engine: 90% of what is free now (a trainer may share)
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.max_slots = max_slots or 256
         has_tokenizer = any(Path(model, f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -81,7 +84,8 @@ class VllmEngine:
                        max_model_len=max_model_len, max_num_seqs=self.max_slots,
                        max_num_batched_tokens=max(prefill_chunk_size, self.max_slots),
                        enforce_eager=use_cuda_graphs is False, enable_prefix_caching=False, enable_sleep_mode=True,
-                       logprobs_mode="processed_logprobs", kv_cache_memory_bytes=memory_budget,
+                       logprobs_mode="processed_logprobs", gpu_memory_utilization=0.9 * free / total,
+                       kv_cache_memory_bytes=memory_budget,
                        worker_extension_cls=f"{__name__}.WeightLoader")
         self.weights_version, self._next_id, self._asleep = 0, 0, False
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")

@@ -1,6 +1,7 @@
 """The ``gpu-100m`` recipe shrunk to a minute on one GPU: all three stages through Ray, with the placement the
 full run uses (trainer and engine sharing the GPU). Catches what only shows on CUDA (engines left on the CPU,
-bf16 autocast, CUDA graphs after weight updates) before a long run. ``pytest -s tests/gpu/test_pipeline_gpu.py``
+bf16 autocast, CUDA graphs after weight updates) before a long run, with our engine and with vLLM.
+``pytest -s tests/gpu/test_pipeline_gpu.py``
 (ray, trl, datasets and math-verify on the path)."""
 
 from __future__ import annotations
@@ -32,3 +33,26 @@ def test_gpu_recipe_end_to_end_small(tmp_path):
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())["benchmarks"]
     assert set(summary) == {"word_problems", "gsm8k"}
     assert "| steps | s/step | rollout | reward | weight_sync | train |" in report.read_text()
+
+
+def test_gpu_recipe_with_vllm_engines(tmp_path):
+    """The same run with vLLM (this package's plugin) as the rollout engine of GRPO and evaluation
+    (``engine.backend: vllm``; vLLM on the path: ``python -m pipeline.rollout.vllm_site``). Attention heads as wide
+    as the linear ones: vLLM sizes its KV pages from ``head_dim``."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("vllm")
+    recipe = load_recipe("gpu-100m", [
+        f"output_dir={tmp_path}", "model.config_overrides={hidden_size: 256, num_heads: 2, num_attention_heads: 2}",
+        "distill.max_steps=6", "distill.logging_steps=2", "distill.save_steps=3",
+        "grpo.steps=3", "grpo.prompts_per_batch=4", "grpo.save_steps=3", "eval.limit=4", "eval.repeats=2",
+        "eval.max_new_tokens=64", "grpo.engine.backend=vllm", "eval.engine.backend=vllm"])
+    try:
+        run_recipe(recipe)
+    finally:
+        ray.shutdown()
+    rows = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "time/rollout_s" in r]
+    assert len(rows) == 3 and all(r["tokens/generated"] > 0 for r in rows)
+    engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
+    assert engines and all(e["backend"] == "vllm" for e in engines)
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())["benchmarks"]
+    assert set(summary) == {"word_problems", "gsm8k"}
