@@ -4,13 +4,16 @@ shapes it asks vLLM for, and where each checkpoint tensor lands. The model itsel
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from pipeline.rollout.vllm_plugin import check_supported, linear_kind, state_dtypes, state_shapes, vllm_weight_name
+from pipeline.rollout.vllm_plugin import (check_supported, linear_kind, run_linear_layer, state_dtypes, state_shapes,
+                                          vllm_weight_name)
 from sse_model import SSEConfig, SSEForCausalLM
+from sse_model.layers.common import ForwardContext
 
 
 def test_the_plugin_imports_without_vllm():
@@ -79,3 +82,50 @@ def test_every_checkpoint_tensor_lands_on_one_parameter(tmp_path, tied):
     assert any(".attn.inner.q_proj." in n for n in loaded)
     assert vllm_weight_name("model.layers.5.attn.rotary.inv_freq") is None
     assert vllm_weight_name("model.embeddings.weight") == "model.embeddings.weight"
+
+
+def _meta(decodes: list[int], prefills: list[tuple[int, int, int]]):
+    """vLLM's linear-attention metadata for ``decodes`` (state rows of one-token sequences) then ``prefills``
+    (``(row, tokens this step, tokens before)``): the fields :func:`run_linear_layer` reads."""
+    lengths = [1] * len(decodes) + [n for _, n, _ in prefills]
+    return SimpleNamespace(
+        num_decodes=len(decodes), num_decode_tokens=len(decodes), num_prefills=len(prefills),
+        query_start_loc=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor([0] * len(decodes) + [n + before for _, n, before in prefills], dtype=torch.int32),
+        state_indices_tensor=torch.tensor(decodes + [row for row, _, _ in prefills], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(use_short_conv=True), dict(mixer_types=["gla"] * 5 + ["attn"])])
+def test_a_linear_layer_over_vllm_batches_equals_each_sequence_alone(overrides):
+    """Three steps as vLLM schedules them: two new prompts; then both decode while a third prompt arrives and a
+    fourth is prefilled in two chunks; then three decode beside the fourth's second chunk. State rows hold
+    stale values from earlier sequences. Every token's output equals the mixer run over its whole sequence."""
+    torch.manual_seed(0)
+    config = SSEConfig.from_preset("sse-h-tiny", **overrides)
+    mixer = SSEForCausalLM(config).model.layers[0].attn.eval()
+    D, lengths = config.hidden_size, {0: 7, 1: 5, 2: 5, 3: 6}
+    seqs = {s: torch.randn(n, D) for s, n in lengths.items()}
+    rows = {0: 4, 1: 1, 2: 2, 3: 5}
+    with torch.no_grad():
+        want = {s: mixer(x[None], ForwardContext(torch.arange(len(x))[None], torch.arange(len(x))[None]))[0][0]
+                for s, x in seqs.items()}
+        states = tuple(torch.randn(6, *shape).to(dtype) for shape, dtype in
+                       zip(state_shapes(config), state_dtypes(config, torch.float32)))
+        # (decoding sequences, [(sequence, first token, tokens)] of prompts) per step
+        steps = [([], [(0, 0, 5), (1, 0, 3)]),
+                 ([0, 1], [(2, 0, 4), (3, 0, 3)]),
+                 ([0, 1, 2], [(3, 3, 3)])]
+        done = {s: 0 for s in seqs}
+        for decoding, prompts in steps:
+            parts = [seqs[s][done[s]:done[s] + 1] for s in decoding] + [seqs[s][a:a + n] for s, a, n in prompts]
+            pos = [torch.tensor([done[s]]) for s in decoding] + [torch.arange(a, a + n) for s, a, n in prompts]
+            meta = _meta([rows[s] for s in decoding], [(rows[s], n, a) for s, a, n in prompts])
+            out = run_linear_layer(mixer, torch.cat(parts), torch.cat(pos), states, meta)
+            first = 0
+            for s, part, p in zip(decoding + [s for s, _, _ in prompts], parts, pos):
+                torch.testing.assert_close(out[first:first + len(part)], want[s][p], atol=2e-5, rtol=1e-4)
+                first += len(part)
+            for s in decoding:
+                done[s] += 1
+            for s, a, n in prompts:
+                done[s] = a + n

@@ -79,7 +79,7 @@ def run_vllm(path: str, args, new_tokens: int) -> dict:
     register()
     from vllm import LLM, SamplingParams
 
-    sse = Path(path, "config.json").read_text().find('"SSEForCausalLM"') >= 0
+    sse = "SSEForCausalLM" in json.loads(Path(path, "config.json").read_text()).get("architectures", [])
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=args.prompt_len + new_tokens, gpu_memory_utilization=args.vllm_memory,
               enforce_eager=args.vllm_eager, **(dict(enable_prefix_caching=False) if sse else {}))

@@ -2,9 +2,7 @@
 
 vLLM hands the model a flat batch of tokens, decodes first, then prompts (or prompt chunks); per layer it binds
 ``kv_cache`` (attention: paged KV; linear layers: the tuple of state tensors, ``[rows, *shape]``) and, per forward,
-metadata naming each sequence's state row. A linear layer runs this package's mixer twice at most per step: once
-over all decoding sequences (one token each, states updated in place by the decode kernel) and once per prompt
-(chunked kernels, from the state the row holds: zeros for a new sequence).
+metadata naming each sequence's state row. How a linear layer runs such a batch: :func:`run_linear_layer`.
 """
 
 from __future__ import annotations
@@ -22,33 +20,10 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from sse_model import SSEForCausalLM
-from sse_model.cache import LinearLayerState
 from sse_model.configuration_sse import ATTENTION_MIXERS
-from sse_model.layers.common import ForwardContext
 from sse_model.modules import RotaryEmbedding, project
 
-from .vllm_plugin import check_supported, state_dtypes, state_shapes, vllm_weight_name
-
-
-class _StateRows:
-    """The linear half of this package's cache protocol over one vLLM layer's state tensors, for the sequences in
-    rows ``slots``: what a mixer reads, writes back, or decodes in place."""
-
-    def __init__(self, states: tuple[torch.Tensor, ...], slots: torch.Tensor):
-        self.states, self.slots = states, slots
-
-    def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
-        conv = tuple(s[self.slots] for s in self.states[1:])
-        return LinearLayerState(self.states[0][self.slots] if recurrent else None, conv or None)
-
-    def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
-        if state.recurrent is not None:
-            self.states[0][self.slots] = state.recurrent.to(self.states[0].dtype)
-        for pool, value in zip(self.states[1:], state.conv or ()):
-            pool[self.slots] = value.to(pool.dtype)
-
-    def linear_pool(self, layer_idx: int):
-        return self.states[0], self.slots
+from .vllm_plugin import check_supported, run_linear_layer, state_dtypes, state_shapes, vllm_weight_name
 
 
 def _register(vllm_config: VllmConfig, prefix: str, layer: nn.Module) -> None:
@@ -79,32 +54,10 @@ class StatefulMixer(nn.Module, MambaBase):
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return state_dtypes(self.config, self.model_dtype)
 
-    def _run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        cache = None if slots is None else _StateRows(self.kv_cache, slots)
-        return self.inner(x, ForwardContext(positions, positions, cache=cache))[0]
-
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
-        if meta is None:  # vLLM's memory profiling: no states yet; the mixer runs stateless over the batch
-            return self._run(hidden[None], positions[None], None)[0]
-        out = torch.zeros_like(hidden)  # rows past the scheduled tokens (padding) stay zero
-        rows = meta.state_indices_tensor
-        decodes, decode_tokens = meta.num_decodes, meta.num_decode_tokens
-        if decodes:  # padded rows carry a negative index: they write the unused row 0
-            slots = rows[:decodes].long().clamp(min=0)
-            out[:decode_tokens] = self._run(hidden[:decode_tokens, None], positions[:decode_tokens, None], slots)[:, 0]
-        if meta.num_prefills:
-            starts = meta.query_start_loc[decodes:decodes + meta.num_prefills + 1].tolist()
-            lengths = meta.seq_lens[decodes:decodes + meta.num_prefills].tolist()
-            for j in range(meta.num_prefills):
-                start, end = starts[j], starts[j + 1]
-                slot = rows[decodes + j:decodes + j + 1].long()
-                if lengths[j] == end - start:  # a new sequence: its row still holds a finished one's state
-                    for state in self.kv_cache:
-                        state[slot] = 0
-                out[start:end] = self._run(hidden[None, start:end], positions[None, start:end], slot)[0]
-        return out
+        return run_linear_layer(self.inner, hidden, positions, self.kv_cache, meta)
 
 
 class PagedAttention(nn.Module):

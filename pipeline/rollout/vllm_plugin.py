@@ -7,8 +7,9 @@ vLLM calls :func:`register` in each of its processes through the ``vllm.general_
 - softmax-attention layers (``attn``, ``swa``) run through vLLM's ``Attention`` (paged KV cache, its kernels);
 - linear layers (``sse``, ``gla``, ``gdn``, ``retnet``) are stateful, mamba-style layers: vLLM keeps one state row
   per sequence, ``[1 + N, H, K, V]`` float32 for SSE (the shared partition and the N sparse ones, as in this
-  package's :class:`~sse_model.cache.SlotCache`), and each layer runs this package's own mixer over it: our Triton
-  decode kernel for one token per sequence, the chunked kernels for prompts;
+  package's :class:`~sse_model.cache.SlotCache`), and each layer runs this package's own mixer over it
+  (:func:`run_linear_layer`, here so that it runs without vLLM): our Triton decode kernel for one token per
+  sequence, the chunked kernels for prompts;
 - embeddings, norms, MLPs and the head are this package's modules, so a checkpoint of ``SSEForCausalLM`` loads by
   name (:func:`vllm_weight_name`).
 
@@ -20,6 +21,9 @@ its KV pages from ``head_dim``). Prefix caching is off: a state row holds a whol
 from __future__ import annotations
 
 import torch
+
+from sse_model.cache import LinearLayerState
+from sse_model.layers.common import ForwardContext
 
 ARCHITECTURE = "SSEForCausalLM"
 MODEL_CLASS = "pipeline.rollout.vllm_model:SSEForCausalLMVllm"
@@ -85,3 +89,58 @@ def vllm_weight_name(name: str) -> str | None:
     if len(parts) > 4 and parts[0] == "model" and parts[1] == "layers" and parts[3] == "attn":
         return ".".join(parts[:4] + ["inner"] + parts[4:])
     return name
+
+
+class StateRows:
+    """The linear half of this package's cache protocol over one vLLM layer's state tensors (``[rows, *shape]``
+    each), for the sequences in rows ``slots``: what a mixer reads, writes back, or decodes in place."""
+
+    def __init__(self, states: tuple[torch.Tensor, ...], slots: torch.Tensor):
+        self.states, self.slots = states, slots
+
+    def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
+        conv = tuple(s[self.slots] for s in self.states[1:])
+        return LinearLayerState(self.states[0][self.slots] if recurrent else None, conv or None)
+
+    def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
+        if state.recurrent is not None:
+            self.states[0][self.slots] = state.recurrent.to(self.states[0].dtype)
+        for pool, value in zip(self.states[1:], state.conv or ()):
+            pool[self.slots] = value.to(pool.dtype)
+
+    def linear_pool(self, layer_idx: int):
+        return self.states[0], self.slots
+
+
+def run_linear_layer(mixer, hidden: torch.Tensor, positions: torch.Tensor, states: tuple[torch.Tensor, ...],
+                     meta) -> torch.Tensor:
+    """One of this package's linear mixers over vLLM's flat batch ``hidden`` ``[tokens, D]``: the decoding
+    sequences first (one token each), then the prompts or prompt chunks. ``meta`` is vLLM's linear-attention
+    metadata (``num_decodes``, ``num_decode_tokens``, ``num_prefills``, ``query_start_loc``, ``seq_lens``,
+    ``state_indices_tensor``: each sequence's state row); None in vLLM's memory profiling, where the mixer runs
+    without states. The decodes run as one batch, their rows updated in place (the decode kernel); each prompt
+    runs from its row's state, zeros for a new sequence (a row still holds a finished one's), and writes it back.
+    Rows past the scheduled tokens (padding) stay zero."""
+
+    def run(x, pos, slots):
+        return mixer(x, ForwardContext(pos, pos, cache=None if slots is None else StateRows(states, slots)))[0]
+
+    if meta is None:
+        return run(hidden[None], positions[None], None)[0]
+    out = torch.zeros_like(hidden)
+    rows = meta.state_indices_tensor
+    decodes, decode_tokens = meta.num_decodes, meta.num_decode_tokens
+    if decodes:  # padded rows of a CUDA-graph batch carry a negative index: they write the unused row 0
+        slots = rows[:decodes].long().clamp(min=0)
+        out[:decode_tokens] = run(hidden[:decode_tokens, None], positions[:decode_tokens, None], slots)[:, 0]
+    if meta.num_prefills:
+        starts = meta.query_start_loc[decodes:decodes + meta.num_prefills + 1].tolist()
+        lengths = meta.seq_lens[decodes:decodes + meta.num_prefills].tolist()
+        for j in range(meta.num_prefills):
+            start, end = starts[j], starts[j + 1]
+            slot = rows[decodes + j:decodes + j + 1].long()
+            if lengths[j] == end - start:  # a new sequence
+                for state in states:
+                    state[slot] = 0
+            out[start:end] = run(hidden[None, start:end], positions[None, start:end], slot)[0]
+    return out
