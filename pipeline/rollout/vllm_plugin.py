@@ -28,7 +28,7 @@ from sse_model.layers.common import ForwardContext
 ARCHITECTURE = "SSEForCausalLM"
 MODEL_CLASS = "pipeline.rollout.vllm_model:SSEForCausalLMVllm"
 LINEAR_MIXERS = ("sse", "gla", "gdn", "retnet")
-STATE_DTYPE = torch.float32  # as the rollout engine keeps them (and the decode kernel expects)
+STATE_DTYPE = torch.float32  # as the rollout engine keeps them
 
 
 def register() -> None:
