@@ -323,6 +323,27 @@ def test_checkpointing_rebuild_keeps_what_it_should(keep):
     assert rel(checkpointed, plain) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("kv_heads", [H, 6])
+def test_paged_decode_attention_real_sizes(kv_heads):
+    """The paged kernel against the engine's gather + SDPA path (``kernels/bench/bench_paged.py``), bf16 cache,
+    blocks of 256 tokens, lengths from one token to four blocks and a half."""
+    from kernels.bench.bench_paged import gather_path
+    from kernels.paged_attention import paged_decode_attention
+
+    B, block_size, per_seq = 8, 256, 5
+    pool_k = torch.randn(B * per_seq + 1, kv_heads, block_size, D, device="cuda", dtype=torch.bfloat16)
+    pool_v = torch.randn_like(pool_k)
+    tables = torch.randperm(B * per_seq, device="cuda").view(B, per_seq)
+    lengths = torch.tensor([1, 255, 256, 257, 700, 1024, 1100, 1151], device="cuda")
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    k = pool_k.repeat_interleave(H // kv_heads, dim=1)  # the gather path's SDPA with every head its own keys
+    v = pool_v.repeat_interleave(H // kv_heads, dim=1)
+    got = paged_decode_attention(q, pool_k, pool_v, tables, lengths)
+    want = gather_path(q, k, v, tables, lengths)
+    RESULTS.append((f"paged decode attention (H_kv={kv_heads}) vs gather", rel(got, want), 0.0))
+    assert rel(got, want) < TOL[torch.bfloat16]
+
+
 def test_zz_print_table():
     print(f"\n{'case':45s} {'rel err 1':>10s} {'rel err 2':>10s}")
     for name, a, b in RESULTS:
