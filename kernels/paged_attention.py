@@ -59,7 +59,8 @@ def _paged_decode_kernel(
 
 
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
-                           lengths: torch.Tensor, scale: float | None = None, tokens_per_step: int = 64) -> torch.Tensor:
+                           lengths: torch.Tensor, scale: float | None = None,
+                           tokens_per_step: int = 64) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` cached tokens. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16."""
     B, H, D = q.shape

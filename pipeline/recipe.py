@@ -101,9 +101,12 @@ class DistillConfig:
     save_total_limit: int | None = bounded(3, ge=1)
 
 
+ENGINE_BACKENDS = ("sse", "vllm")  # this package's rollout engine, or vLLM serving the model through our plugin
+
+
 @dataclass
 class EngineConfig:
-    backend: str = bounded("sse", choices=("sse", "vllm"))  # this package's engine, or vLLM with the SSE plugin
+    backend: str = bounded("sse", choices=ENGINE_BACKENDS)
     max_slots: int | None = bounded(None, ge=1)
     memory_budget_gb: float | None = bounded(None, gt=0)
     prefill_chunk_size: int = bounded(2048, ge=1)

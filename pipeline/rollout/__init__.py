@@ -1,9 +1,8 @@
 """The SSE-aware rollout engine: continuous batching over state slots, prefix forking, seeded sampling."""
 
+from ..recipe import ENGINE_BACKENDS
 from .engine import CompletionOutput, Engine, RequestOutput
 from .sampling import SamplingParams, sample
-
-BACKENDS = ("sse", "vllm")
 
 
 def create_engine(model, tokenizer=None, backend: str = "sse", **options):
@@ -14,8 +13,8 @@ def create_engine(model, tokenizer=None, backend: str = "sse", **options):
 
         return VllmEngine(model, tokenizer, **options)
     if backend != "sse":
-        raise ValueError(f"engine.backend: {backend!r}; expected one of {BACKENDS}")
+        raise ValueError(f"engine.backend: {backend!r}; expected one of {ENGINE_BACKENDS}")
     return Engine(model, tokenizer, **options)
 
 
-__all__ = ["BACKENDS", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "create_engine", "sample"]
+__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "create_engine", "sample"]

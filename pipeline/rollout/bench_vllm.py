@@ -158,6 +158,7 @@ def main() -> None:
         run = run_vllm(path, args, int(new_tokens)) if system == "vllm" else run_engine(model, args, int(new_tokens))
         print("RESULT " + json.dumps(run), flush=True)
         return
+
     def child(system, model, new_tokens, path, prompts=1) -> dict | None:
         common = ["--prompts", str(prompts), "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
                   "--vllm-memory", str(args.vllm_memory), *(["--vllm-eager"] if args.vllm_eager else [])]

@@ -17,6 +17,7 @@ import torch
 from .engine import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 
+
 def import_vllm():
     """vLLM, or an ``ImportError`` that says which recipe key asked for it and how to get it."""
     try:

@@ -3,8 +3,9 @@
 vLLM 0.25.1 pins exactly the GPU image's torch (2.11), but its wheel is 250 MB and each device call carries
 64 MiB. ``pack`` downloads vLLM, flashinfer and the pure-Python dependencies vLLM imports (for CPython 3.12,
 manylinux x86_64, no dependency resolution: the image's torch, transformers, numpy... are used as they are),
-unpacks them into one site folder, drops what an H100 run never loads (the FlashAttention-2 library, sm100
-sources, the other Pythons' builds, the web UI), and writes an ``.tar.xz`` split into parts:
+unpacks them into one site folder, drops what an H100 run never loads (:data:`DROP`: the FlashAttention-2
+library, sm100 sources, the other Pythons' builds, the Rust frontend, FlashInfer's JIT sources...), and writes an
+``.tar.xz`` split into parts:
 
     python -m pipeline.rollout.vllm_site pack [--out .device-vllm] [--part-mb 45]
 
@@ -14,7 +15,9 @@ the command that joins the parts, unpacks them to ``/tmp/vllm-site`` and runs th
     PYTHONPATH=/tmp/vllm-site:$PWD python -m pipeline.rollout.vllm_site check
 
 ``check`` imports vLLM (naming every module still missing, so that ``pack --extra`` can add it), saves a tiny
-random Llama, generates greedily with ``vllm.LLM`` and with transformers, and says whether the tokens agree.
+random Llama, generates greedily with ``vllm.LLM`` and with transformers, and says whether the tokens agree;
+``check-plugin`` does the same for a small SSE-H served through :mod:`pipeline.rollout.vllm_plugin` against the
+rollout engine. Both run vLLM as :func:`vllm_environment` sets it up for such a site.
 """
 
 from __future__ import annotations
