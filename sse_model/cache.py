@@ -14,6 +14,8 @@ Protocol (``cache`` below is either):
     ``cache.write_linear(i, state)``    store its non-None parts back
     ``cache.linear_pool(i)``            ``(pool, slots)`` for in-place decode kernels, or None
     ``cache.attend(i, k, v)``           append keys/values; returns ``(keys, values, key_index, key_valid)``
+    ``cache.decode_attention(i, q, k, v)`` one new token per row: append k/v and return the attention output
+                                        read in place, or None where ``attend`` + SDPA serve
     ``cache.advance(T)``                after the forward: T more tokens seen
 """
 
@@ -97,6 +99,9 @@ class SSEHybridCache:
         layer.keys, layer.values = keys[:, :, keys.shape[2] - keep:], values[:, :, values.shape[2] - keep:]
         key_index = torch.arange(first, first + keys.shape[2], device=keys.device)[None]
         return keys, values, key_index, None
+
+    def decode_attention(self, layer_idx: int, queries, keys, values) -> None:
+        return None  # the batch's KV is contiguous already: attend + SDPA
 
     def advance(self, T: int) -> None:
         self.seen_tokens += T
@@ -187,11 +192,12 @@ class SlotCache:
 
     Before each forward set ``slots`` (a LongTensor of rows) and ``view_blocks`` (how many table entries the
     attention reads: at least the longest row's blocks; a graph captures one value); ``lengths[s]`` is the
-    number of tokens slot ``s`` holds.
+    number of tokens slot ``s`` holds. Decode steps of full layers read the blocks where they are
+    (:meth:`decode_attention`, on CUDA; ``paged_decode=False`` gathers them and runs SDPA instead).
     """
 
     def __init__(self, config, max_slots: int, max_len: int, device, dtype, state_dtype=torch.float32,
-                 num_blocks: int | None = None, block_size: int = 256):
+                 num_blocks: int | None = None, block_size: int = 256, paged_decode: bool | None = None):
         self.config, self.max_slots, self.max_len, self.block_size = config, max_slots, max_len, block_size
         self.max_blocks_per_slot = -(-max_len // block_size)
         if num_blocks is None:  # every slot can reach max_len
@@ -222,6 +228,8 @@ class SlotCache:
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
         self.view_blocks = self.max_blocks_per_slot
+        # decode steps of full layers read the blocks in place (kernels.paged_attention); off: gather + SDPA
+        self.paged_decode = torch.device(device).type == "cuda" if paged_decode is None else paged_decode
 
     @staticmethod
     def bytes_per_slot(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32) -> int:
@@ -351,11 +359,7 @@ class SlotCache:
         new_index = start + torch.arange(T, device=keys.device)[None]  # [B, T]
         new_k, new_v = keys.transpose(1, 2).to(pool_k.dtype), values.transpose(1, 2).to(pool_v.dtype)
         if self.windows[layer_idx] is None:
-            bs = self.block_size
-            table = self.tables[self.slots]  # [B, max_blocks]
-            block = table.gather(1, (new_index // bs).clamp(max=table.shape[1] - 1))
-            pool_k[block, :, new_index % bs] = new_k
-            pool_v[block, :, new_index % bs] = new_v
+            table = self._store_blocks(layer_idx, new_k, new_v, new_index)
             view = table[:, :self.view_blocks]  # [B, nb]
             H, D = pool_k.shape[1], pool_k.shape[3]
             k = pool_k[view].transpose(1, 2).reshape(B, H, -1, D)
@@ -374,6 +378,33 @@ class SlotCache:
         pool_k[rows, :, new_index[:, T - keep:] % capacity] = new_k[:, T - keep:]
         pool_v[rows, :, new_index[:, T - keep:] % capacity] = new_v[:, T - keep:]
         return keys_all, values_all, key_index, valid
+
+    def decode_attention(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """``queries [B, H, 1, D]``, ``keys, values [B, H_kv, 1, D]`` of a full layer: stores the keys and values
+        and returns ``[B, H, 1, D]``, each row's attention over its tokens (the new one included) read from its
+        blocks in place. None where :meth:`attend` serves: window layers, prefill chunks, ``paged_decode`` off, a
+        head size the kernel does not take."""
+        D = queries.shape[-1]
+        if not self.paged_decode or self.windows[layer_idx] is not None or keys.shape[2] != 1 or D < 16 or D & (D - 1):
+            return None
+        from kernels.paged_attention import paged_decode_attention
+
+        pool_k, pool_v = self.keys[layer_idx], self.values[layer_idx]
+        start = self.lengths[self.slots]
+        table = self._store_blocks(layer_idx, keys.transpose(1, 2).to(pool_k.dtype),
+                                   values.transpose(1, 2).to(pool_v.dtype), start[:, None])
+        out = paged_decode_attention(queries[:, :, 0].to(pool_k.dtype), pool_k, pool_v, table, start + 1)
+        return out[:, :, None].to(queries.dtype)
+
+    def _store_blocks(self, layer_idx: int, new_k: torch.Tensor, new_v: torch.Tensor, new_index: torch.Tensor):
+        """Writes ``new_k/new_v [B, T, H_kv, D]`` at positions ``new_index [B, T]`` of the rows' blocks; returns
+        the rows' block tables."""
+        bs = self.block_size
+        table = self.tables[self.slots]  # [B, max_blocks]
+        block = table.gather(1, (new_index // bs).clamp(max=table.shape[1] - 1))
+        self.keys[layer_idx][block, :, new_index % bs] = new_k
+        self.values[layer_idx][block, :, new_index % bs] = new_v
+        return table
 
     def advance(self, T: int) -> None:
         self.lengths[self.slots] += T

@@ -164,6 +164,22 @@ def test_block_allocator_counts_references():
         blocks.release(a[:1])
 
 
+def test_paged_decode_attention_equals_gather_then_sdpa(model, tokenizer):
+    """Decode steps reading the KV blocks in place (the paged kernel, the GPU path; here through Triton's
+    interpreter) give the outputs of gathering them and running SDPA: forks sharing blocks, several blocks per
+    sequence, a window layer beside (which always gathers)."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=4, ignore_eos=True)
+    outs = {}
+    for paged in (False, True):
+        engine = make_engine(model, tokenizer)
+        engine.cache.paged_decode = paged
+        outs[paged] = engine.generate(PROMPTS[:2], params)
+    for a, b in zip(outs[True], outs[False]):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
 def test_forked_samples_share_the_prompts_full_blocks(model, tokenizer):
     engine = make_engine(model, tokenizer, max_model_len=96)
     prompt = "Compute the sum of the first ten primes."  # 40 tokens: 5 full blocks of 8

@@ -46,6 +46,20 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 * 20 / (time.perf_counter() - start)
 
 
+def decode_step_bytes(model, batch: int, context: int) -> dict[str, int]:
+    """What one decode step must move at least: every weight read once; each SSE layer's shared and selected
+    states read and written (float32); each attention layer's keys and values of ``context`` tokens read."""
+    cfg = model.config
+    states = kv = 0
+    for kind in cfg.mixer_types:
+        if kind == "sse":
+            states += 2 * batch * (1 + cfg.num_writers) * cfg.num_heads * cfg.head_dim * cfg.head_v_dim * 4
+        elif kind == "attn":
+            kv += batch * 2 * cfg.num_key_value_heads * context * cfg.attn_head_dim * 2
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"weights": weights, "states": states, "KV": kv}
+
+
 def hf_generate(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     ids = torch.randint(100, 1000, (batch, prompt_len), device="cuda")
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_new_tokens=new_tokens,
@@ -129,13 +143,8 @@ def main() -> None:
     engine.cache.reset(slots)
     bw = copy_bandwidth()
     cfg = model.config
-    state_bytes = 0
-    kv_bytes = 0
-    for kind in cfg.mixer_types:
-        if kind == "sse":
-            state_bytes += 2 * B * (1 + cfg.num_writers) * cfg.num_heads * cfg.head_dim * cfg.head_v_dim * 4
-        elif kind == "attn":
-            kv_bytes += B * 2 * cfg.num_key_value_heads * (args.prompt_len + args.new_tokens // 2) * cfg.attn_head_dim * 2
+    parts = decode_step_bytes(model, B, args.prompt_len + args.new_tokens // 2)
+    weight_bytes, state_bytes, kv_bytes = parts["weights"], parts["states"], parts["KV"]
     roof_ms = (weight_bytes + state_bytes + kv_bytes) / bw * 1e3
 
     hf_sse = hf_generate(model, args.hf_batch, args.prompt_len, args.hf_new_tokens)

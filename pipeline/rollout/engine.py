@@ -441,6 +441,7 @@ class Engine:
             torch.tensor([x.top_k for x in p], device=dev, dtype=torch.long),
             torch.tensor([s.seed for s in seqs], device=dev, dtype=torch.long),
             torch.tensor([len(s.token_ids) for s in seqs], device=dev, dtype=torch.long),
+            need_filter=any(x.top_p < 1 or x.top_k > 0 for x in p),
         )
         return tokens.tolist(), logprobs.tolist()
 

@@ -58,13 +58,16 @@ def _pcg(x: torch.Tensor) -> torch.Tensor:
     return ((word >> 22) ^ word) & _MASK32
 
 
+def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``[B]`` 32-bit keys (in int64) of each row's noise: a hash of its seed and step."""
+    key = _pcg((seeds & _MASK32) ^ _pcg((seeds >> 32) & _MASK32))
+    return _pcg(key ^ _pcg(steps & _MASK32))
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[B, vocab]`` uniforms in (0, 1), a pure function of (seed, step, token id)."""
-    device = seeds.device
-    token = torch.arange(vocab, device=device, dtype=torch.int64)[None]
-    key = _pcg((seeds[:, None] & _MASK32) ^ _pcg((seeds[:, None] >> 32) & _MASK32))
-    key = _pcg(key ^ _pcg(steps[:, None] & _MASK32))
-    bits = _pcg(key ^ token)
+    token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None]
+    bits = _pcg(noise_keys(seeds, steps)[:, None] ^ token)
     return ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 
 
@@ -75,27 +78,39 @@ def sample(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    need_filter: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their log-probabilities for a batch ``[B, V]`` of logits.
 
     ``temperature == 0`` is greedy. Otherwise the distribution ``softmax(logits / T)`` is restricted to
     its top-k tokens and to the smallest top set of probability >= top_p, and one token is drawn with the
-    exponential race ``argmax p_i / E_i`` (``E_i = -log u_i``), which samples exactly from it. The returned
-    log-probability is ``log_softmax(logits / T)`` of the chosen token (``T = 1`` when greedy)."""
+    exponential race ``argmax p_i / E_i`` (``E_i = -log u_i``; computed as ``argmax logits_i / T - log E_i``),
+    which samples exactly from it. The returned log-probability is ``log_softmax(logits / T)`` of the chosen
+    token (``T = 1`` when greedy).
+
+    ``need_filter``: whether any row has top-p < 1 or top-k > 0, when the caller knows it (the engine does,
+    from its requests); unknown, it is read from the tensors on the CPU and assumed on a GPU (no host sync).
+    Without filtering, a GPU samples in one pass over the logits (:func:`kernels.sampling.race_sample`), the
+    same tokens as below."""
+    if need_filter is None:
+        need_filter = bool(((top_p < 1) | (top_k > 0)).any()) if logits.device.type == "cpu" else True
+    if logits.device.type == "cuda" and not need_filter:
+        from kernels.sampling import race_sample
+
+        return race_sample(logits, temperature, noise_keys(seeds, steps))
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    probs = logprobs.exp()
-    need_filter = bool(((top_p < 1) | (top_k > 0)).any()) if probs.device.type == "cpu" else True
     if need_filter:
+        probs = logprobs.exp()
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None]
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
         keep_sorted = (before < top_p[:, None]) | (rank == 0)
         keep_sorted &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-    race = probs / -torch.log(uniform_noise(seeds, steps, probs.shape[-1]))
+        scaled = torch.where(keep, scaled, float("-inf"))
+    race = scaled - torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
     tokens = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

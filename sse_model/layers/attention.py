@@ -44,22 +44,29 @@ class SoftmaxAttention(nn.Module):
         q, k = self.rotary(q, k, ctx.position_ids)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
 
-        if ctx.cache is None and ctx.cu_seqlens is not None and ctx.key_mask is None:
-            o = packed_causal_attention(q, k, v, ctx.segments, self.window)
-        else:
-            if ctx.cache is not None:
-                k, v, key_index, key_valid = ctx.cache.attend(self.layer_idx, k, v)
-            else:
-                key_index, key_valid = ctx.query_index, None
-            mask = self._mask(ctx, key_index, key_valid)
-            o = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=mask,
-                is_causal=mask is None and T > 1,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
+        o = None
+        if ctx.cache is not None and T == 1 and ctx.key_mask is None:  # a decode step: the cache may attend itself
+            o = ctx.cache.decode_attention(self.layer_idx, q, k, v)
+        if o is None:
+            o = self._attend(q, k, v, ctx)
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(o), None
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``q [B, H, T, D]``, the new ``k, v [B, H_kv, T, D]`` -> ``[B, H, T, D]`` through SDPA."""
+        if ctx.cache is None and ctx.cu_seqlens is not None and ctx.key_mask is None:
+            return packed_causal_attention(q, k, v, ctx.segments, self.window)
+        if ctx.cache is not None:
+            k, v, key_index, key_valid = ctx.cache.attend(self.layer_idx, k, v)
+        else:
+            key_index, key_valid = ctx.query_index, None
+        mask = self._mask(ctx, key_index, key_valid)
+        return F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            is_causal=mask is None and q.shape[2] > 1,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
 
     def _mask(self, ctx: ForwardContext, key_index: torch.Tensor, key_valid: torch.Tensor | None):
         """Boolean ``[B|1, 1, T, S]`` mask from the cache coordinates of queries and keys, or None where

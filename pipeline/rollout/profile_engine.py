@@ -1,0 +1,137 @@
+"""Where a decode step of the rollout engine spends its time (GPU); prints markdown tables.
+
+    python -m pipeline.rollout.profile_engine --preset sse-h-2b --sequences 256 --context 1024
+
+``--sequences`` rows (``--samples`` per prompt, prompts of ``--context`` tokens, random weights) are prefilled;
+then at that length: an engine step as served (forward, sampling, bookkeeping), the forward alone (CUDA graph
+replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
+and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel
+(torch.profiler). Each timing is the median over ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from .benchmark import build, copy_bandwidth, decode_step_bytes
+from .engine import Engine
+from .sampling import SamplingParams, noise_keys, sample
+
+
+def median_ms(fn, repeats: int, reset=None) -> float:
+    """Median wall time of ``fn()`` in ms, the GPU synchronised around each run; ``reset()`` runs untimed
+    before each."""
+    times = []
+    for _ in range(repeats + 2):  # two warm-ups
+        if reset is not None:
+            reset()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
+def kernel_table(fn, top: int) -> list[tuple[str, float, int]]:
+    """``(kernel name, GPU ms, launches)`` per call of ``fn``, largest first (torch.profiler, one call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.device_time_total / 1e3
+            count[event.name] += 1
+    rows = sorted(total.items(), key=lambda kv: -kv[1])
+    return [(name, ms, count[name]) for name, ms in rows[:top]] + \
+        [("(all kernels)", sum(total.values()), sum(count.values()))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="sse-h-2b")
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed")
+    args = parser.parse_args()
+    import kernels
+
+    kernels.register()
+    B, context = args.sequences, args.context
+    model = build(args.preset)
+    engine = Engine(model, None, max_slots=B, max_model_len=context + 4 * args.repeats + 64, prefill_chunk_size=8192)
+    prompts = [torch.randint(100, 1000, (context,)).tolist() for _ in range(B // args.samples)]
+    params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=4 * args.repeats + 32, ignore_eos=True,
+                            seed=0)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    start = time.perf_counter()
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    print(f"{args.preset}: {B} sequences at {context} tokens prefilled in {time.perf_counter() - start:.1f} s; "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+
+    rows = [("engine step, as served", median_ms(engine.step, args.repeats))]
+    seqs = engine.running
+    ids = torch.tensor([s.token_ids[-1] for s in seqs], device="cuda")
+    slots = torch.tensor([s.slot for s in seqs], device="cuda")
+    lengths = engine.cache.lengths.clone()
+
+    def restore():  # every forward below decodes the same position again
+        engine.cache.lengths.copy_(lengths)
+
+    with torch.no_grad():
+        def forward():
+            return engine._forward_decode(ids, slots)
+
+        rows.append(("forward, CUDA graph", median_ms(forward, args.repeats, restore)))
+        engine.use_cuda_graphs = False
+        rows.append(("forward, eager", median_ms(forward, args.repeats, restore)))
+        engine.cache.paged_decode = False
+        rows.append(("forward, eager, attention by gather + SDPA", median_ms(forward, args.repeats, restore)))
+        engine.cache.paged_decode = True
+        restore()
+        kernels_eager = kernel_table(forward, args.top)
+        restore()
+        logits = forward()
+    temperature, ones = torch.ones(B, device="cuda"), torch.ones(B, device="cuda")
+    off = torch.zeros(B, dtype=torch.long, device="cuda")
+    seeds, steps = torch.arange(B, device="cuda"), torch.full((B,), 7, device="cuda")
+    rows.append(("sampler, one pass (kernel)",
+                 median_ms(lambda: sample(logits, temperature, ones, off, seeds, steps, need_filter=False),
+                           args.repeats)))
+    rows.append(("sampler, PyTorch with top-p/top-k filtering",
+                 median_ms(lambda: sample(logits, temperature, ones, off, seeds, steps, need_filter=True),
+                           args.repeats)))
+    rows.append(("  of which the noise keys", median_ms(lambda: noise_keys(seeds, steps), args.repeats)))
+
+    bandwidth = copy_bandwidth()
+    parts = decode_step_bytes(model, B, context)
+    roofline = sum(parts.values()) / bandwidth * 1e3
+    step = rows[0][1]
+    print(f"\n| {args.preset}, {B} sequences at {context} tokens | ms | share of the step | vs roofline |")
+    print("|---|---|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.2f} | {ms / step:.0%} | {ms / roofline:.2f}x |")
+    detail = " + ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
+    print(f"| roofline of the forward ({detail} at {bandwidth / 1e12:.2f} TB/s) | {roofline:.2f} | "
+          f"{roofline / step:.0%} | 1.00x |")
+    print("\n| kernel (eager forward) | GPU ms | launches | share |\n|---|---|---|---|")
+    all_ms = kernels_eager[-1][1]
+    for name, ms, n in kernels_eager:
+        print(f"| `{name[:90]}` | {ms:.3f} | {n} | {ms / all_ms:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
