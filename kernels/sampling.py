@@ -27,12 +27,14 @@ def _pcg(x):
 
 
 @triton.jit
-def _race_kernel(logits, temperature, keys, tokens, logprobs, stride_b, V, BV: tl.constexpr):
+def _race_kernel(logits, temperature, seeds, steps, tokens, logprobs, stride_b, V, BV: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.load(temperature + b)
     greedy = t <= 0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
-    key = tl.load(keys + b).to(tl.uint32)
+    seed = tl.load(seeds + b)  # the row's key, as pipeline.rollout.sampling.noise_keys (low 32 bits, then high)
+    key = _pcg(seed.to(tl.uint32) ^ _pcg((seed >> 32).to(tl.uint32)))
+    key = _pcg(key ^ _pcg(tl.load(steps + b).to(tl.uint32)))
     offs = tl.arange(0, BV)
     m = tl.full([BV], float("-inf"), tl.float32)  # per lane: running max of the scaled logits
     s = tl.zeros([BV], tl.float32)  # per lane: sum of exp(scaled - m)
@@ -63,16 +65,17 @@ def _race_kernel(logits, temperature, keys, tokens, logprobs, stride_b, V, BV: t
     tl.store(logprobs + b, chosen - row_max - tl.log(total))
 
 
-def race_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                 block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [B, V]`` (any float dtype), ``temperature [B]``, ``keys [B]`` (the rows' noise keys,
-    :func:`pipeline.rollout.sampling.noise_keys`) -> ``(tokens [B] int64, logprobs [B] float32)``."""
+    """``logits [B, V]`` (any float dtype), ``temperature [B]``, ``seeds, steps [B]`` (int64, as
+    :func:`pipeline.rollout.sampling.sample` takes them) -> ``(tokens [B] int64, logprobs [B] float32)``. One
+    launch: at small batches the sampler's cost is its launches."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"race_sample: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"with strides {logits.stride()}")
     B, V = logits.shape
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _race_kernel[(B,)](logits, temperature.float().contiguous(), keys.contiguous(), tokens, logprobs,
-                       logits.stride(0), V, BV=block)
+    _race_kernel[(B,)](logits, temperature.float().contiguous(), seeds.long().contiguous(), steps.long().contiguous(),
+                       tokens, logprobs, logits.stride(0), V, BV=block)
     return tokens, logprobs

@@ -379,13 +379,19 @@ class SlotCache:
         pool_v[rows, :, new_index[:, T - keep:] % capacity] = new_v[:, T - keep:]
         return keys_all, values_all, key_index, valid
 
+    @property
+    def decode_in_place(self) -> bool:
+        """Whether decode steps of full layers read the blocks in place (:meth:`decode_attention`; ``view_blocks``
+        then matters to prefill only): ``paged_decode`` on and a head size the kernel takes."""
+        D = self.config.attn_head_dim
+        return self.paged_decode and D >= 16 and D & (D - 1) == 0
+
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """``queries [B, H, 1, D]``, ``keys, values [B, H_kv, 1, D]`` of a full layer: stores the keys and values
         and returns ``[B, H, 1, D]``, each row's attention over its tokens (the new one included) read from its
-        blocks in place. None where :meth:`attend` serves: window layers, prefill chunks, ``paged_decode`` off, a
-        head size the kernel does not take."""
-        D = queries.shape[-1]
-        if not self.paged_decode or self.windows[layer_idx] is not None or keys.shape[2] != 1 or D < 16 or D & (D - 1):
+        blocks in place. None where :meth:`attend` serves: window layers, prefill chunks, not
+        :attr:`decode_in_place`."""
+        if not self.decode_in_place or self.windows[layer_idx] is not None or keys.shape[2] != 1:
             return None
         from kernels.paged_attention import paged_decode_attention
 

@@ -12,8 +12,10 @@ taken as sequences grow (:class:`~sse_model.cache.SlotCache`), so short sequence
 decode step needs blocks that are not free, the most recently started sequences are preempted: their blocks are
 returned and they are later recomputed (prompt + tokens so far prefilled again) and continue exactly where they
 stopped (sampling is counter-based: a token depends on the seed and its position only). On CUDA, decode steps
-replay CUDA graphs captured per (batch-size bucket, KV-blocks bucket), powers of two, so a long generation
-captures a few graphs, not one per length.
+replay CUDA graphs captured per batch-size bucket (powers of two): attention layers read their KV blocks in place
+through the block tables (:mod:`kernels.paged_attention`), so one graph serves every length (without the paged
+kernel, graphs are also per KV-blocks bucket, powers of two). Without top-p / top-k, a token is sampled in one pass
+over the logits (:mod:`kernels.sampling`).
 """
 
 from __future__ import annotations
@@ -497,7 +499,8 @@ class Engine:
     # CUDA graphs: one per batch-size bucket; padding rows decode into the scratch slot
     def _graph_decode(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         B = ids.shape[0]
-        key = (min(_power_of_two(B), self.max_slots), self.cache.view_blocks)
+        # KV read in place through the block tables: one graph per batch bucket serves every length
+        key = (min(_power_of_two(B), self.max_slots), 0 if self.cache.decode_in_place else self.cache.view_blocks)
         if key not in self._graphs:
             self._capture(*key)
         graph, static_ids, static_slots, static_logits = self._graphs[key]

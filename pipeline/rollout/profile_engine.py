@@ -20,7 +20,7 @@ import torch
 
 from .benchmark import build, copy_bandwidth, decode_step_bytes
 from .engine import Engine
-from .sampling import SamplingParams, noise_keys, sample
+from .sampling import SamplingParams, sample
 
 
 def median_ms(fn, repeats: int, reset=None) -> float:
@@ -114,7 +114,6 @@ def main() -> None:
     rows.append(("sampler, PyTorch with top-p/top-k filtering",
                  median_ms(lambda: sample(logits, temperature, ones, off, seeds, steps, need_filter=True),
                            args.repeats)))
-    rows.append(("  of which the noise keys", median_ms(lambda: noise_keys(seeds, steps), args.repeats)))
 
     bandwidth = copy_bandwidth()
     parts = decode_step_bytes(model, B, context)

@@ -97,7 +97,7 @@ def sample(
     if logits.device.type == "cuda" and not need_filter:
         from kernels.sampling import race_sample
 
-        return race_sample(logits, temperature, noise_keys(seeds, steps))
+        return race_sample(logits, temperature, seeds, steps)
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]

@@ -348,7 +348,7 @@ def test_race_sample_real_sizes():
     """The one-pass sampler against the PyTorch sampler at GRPO's batch and Qwen's vocabulary (bf16 logits): the
     same token in every row whose race is not a float tie, the same log-probability."""
     from kernels.sampling import race_sample
-    from pipeline.rollout.sampling import noise_keys, sample, uniform_noise
+    from pipeline.rollout.sampling import sample, uniform_noise
 
     B, V = 256, 151936
     logits = (torch.randn(B, V, device="cuda") * 4).to(torch.bfloat16)
@@ -357,7 +357,7 @@ def test_race_sample_real_sizes():
     steps = torch.randint(0, 32768, (B,), device="cuda")
     ones, off = torch.ones(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
     want, want_logprobs = sample(logits, temperature, ones, off, seeds, steps, need_filter=True)
-    got, logprobs = race_sample(logits, temperature, noise_keys(seeds, steps))
+    got, logprobs = race_sample(logits, temperature, seeds, steps)
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
     race = torch.where(temperature[:, None] > 0, scaled - torch.log(-torch.log(uniform_noise(seeds, steps, V))),
                        logits.float())
