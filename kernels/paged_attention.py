@@ -2,8 +2,10 @@
 
 The engine's attention layers decode by gathering each sequence's KV blocks into one contiguous tensor and then
 running SDPA (``SlotCache.attend``): every step copies the whole cache once more. Here a program handles one
-(sequence, KV head): it walks the sequence's blocks through its block table, ``BT`` tokens at a time, for all
-query heads of the group at once (GQA), with an online softmax in float32 (flash-decoding without the split).
+(sequence, KV head, split): it walks its share of the sequence's blocks through the block table, ``BT`` tokens at
+a time, for all query heads of the group at once (GQA), with an online softmax in float32. With few sequences
+(long rollouts: 8 sequences x 18 heads is about one program per SM) each sequence is split into ``splits`` ranges
+whose partial softmax states a second kernel merges (flash-decoding), so the whole GPU reads the cache.
 
 Layout, as :class:`sse_model.cache.SlotCache` keeps it: ``pool_k``/``pool_v`` ``[num_blocks + 1, H_kv, block_size,
 D]``; ``tables`` ``[B, max_blocks]``, each sequence's blocks in order; ``lengths`` ``[B]``, its tokens, the new
@@ -11,7 +13,8 @@ one included. Lengths are read on the device: no host synchronisation, the launc
 Tiles are multiplied in float32 (TF32 on the tensor cores: exact for bf16 keys and values, which fit its
 mantissa; the kernel is bound by reading the cache, not by the products).
 
-Not yet the engine's path: ``python -m kernels.bench.bench_paged`` measures it against the gather path first.
+The engine's decode attention (:meth:`sse_model.cache.SlotCache.decode_attention`); ``python -m
+kernels.bench.bench_paged`` measures it against the gather path and the memory roofline.
 """
 
 from __future__ import annotations
@@ -23,13 +26,18 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q, pool_k, pool_v, tables, lengths, o, scale,
-    sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h,
+    q, pool_k, pool_v, tables, lengths, o, part_m, part_l, scale, H,
+    sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
+    split = tl.program_id(2)
     n = tl.load(lengths + b)
+    per = tl.cdiv(tl.cdiv(n, SPLITS), BT) * BT  # this split's tokens: [lo, hi), whole steps of BT
+    lo = split * per
+    hi = tl.minimum(lo + per, n)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     heads = hk * GROUP + g
@@ -39,9 +47,9 @@ def _paged_decode_kernel(
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for start in range(0, n, BT):
+    for start in range(lo, hi, BT):
         t = start + tl.arange(0, BT)
-        valid = t < n
+        valid = t < hi
         block = tl.load(tables + b * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = block[:, None] * sk_blk + hk * sk_h + (t % BLOCK_SIZE)[:, None] * sk_t + d[None, :]
         k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -54,27 +62,69 @@ def _paged_decode_kernel(
         v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m = m_new
-    out = acc / l[:, None]
-    tl.store(o + b * so_b + heads[:, None] * so_h + d[None, :], out.to(o.dtype.element_ty), mask=group_mask[:, None])
+    if SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(o + b * so_b + heads[:, None] * so_h + d[None, :], out.to(o.dtype.element_ty),
+                 mask=group_mask[:, None])
+    else:  # unnormalised partial state; an empty split leaves m = -inf, l = 0, acc = 0
+        row = (b * H + heads) * SPLITS + split  # partials [B, H, SPLITS] per query head
+        tl.store(part_m + row, m, mask=group_mask)
+        tl.store(part_l + row, l, mask=group_mask)
+        tl.store(o + b * so_b + heads[:, None] * so_h + split * so_s + d[None, :], acc, mask=group_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """One (sequence, query head): ``o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s``."""
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    inside = s < SPLITS
+    m = tl.load(part_m + row * SPLITS + s, mask=inside, other=float("-inf"))
+    l = tl.load(part_l + row * SPLITS + s, mask=inside, other=0.0)
+    top = tl.max(m, 0)  # finite: a sequence holds at least one token, so split 0 is never empty
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    acc = tl.load(part_o + (row * SPLITS + s)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(o + row * D + d, out.to(o.dtype.element_ty))
+
+
+def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per sequence so that about four programs per SM read the cache (1 when the batch alone does)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(16, -(-4 * sms // (batch * kv_heads))))
 
 
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
-                           tokens_per_step: int = 64) -> torch.Tensor:
+                           tokens_per_step: int = 64, splits: int | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
-    ``lengths[b]`` cached tokens. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16."""
+    ``lengths[b]`` (>= 1) cached tokens. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16.
+    ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
+    shapes, so a CUDA graph can capture it)."""
     B, H, D = q.shape
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
         raise ValueError(f"paged_decode_attention: {H} query heads over {H_kv} KV heads of size {D}")
     if pool_k.stride(-1) != 1 or q.stride(-1) != 1 or pool_k.stride() != pool_v.stride():
         raise ValueError("paged_decode_attention: the head dimension must be contiguous, keys and values alike")
+    splits = default_splits(B, H_kv, q.device) if splits is None else splits
     group = H // H_kv
-    o = torch.empty_like(q)
-    _paged_decode_kernel[(B, H_kv)](
-        q, pool_k, pool_v, tables, lengths, o, D ** -0.5 if scale is None else scale,
+    o = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    if splits == 1:
+        target, part_m, part_l = o, o, o  # the partial buffers are not touched
+    else:
+        target = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+        part_m = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+    _paged_decode_kernel[(B, H_kv, splits)](
+        q, pool_k, pool_v, tables, lengths, target, part_m, part_l, D ** -0.5 if scale is None else scale, H,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
-        o.stride(0), o.stride(1),
+        target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size, BT=tokens_per_step,
+        SPLITS=splits,
     )
+    if splits > 1:
+        _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,
+                                       SP=triton.next_power_of_2(splits))
     return o

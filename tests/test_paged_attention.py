@@ -36,9 +36,11 @@ def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim)
         taken += need
     q = torch.randn(B, heads, dim).to(dtype)
     scale = dim ** -0.5
-    got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, tokens_per_step=16)
-    assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), gathered(q, pool_k, pool_v, tables, lengths, scale), atol=atol, rtol=atol)
+    want = gathered(q, pool_k, pool_v, tables, lengths, scale)
+    for splits in (1, 3, 8):  # whole sequences; split in ranges, some empty for the short ones, merged after
+        got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, tokens_per_step=16, splits=splits)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 
 def test_shapes_it_cannot_take_are_refused():
