@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.bench.bench_sse import bench, copy_bandwidth
-from kernels.paged_attention import paged_decode_attention
+from kernels.paged_attention import default_splits, paged_decode_attention
 
 
 def inputs(B: int, T: int, heads: int = 18, dim: int = 128, block_size: int = 256):
@@ -46,9 +46,9 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"Copy bandwidth {bandwidth / 1e12:.2f} TB/s; one layer, 18 heads of 128, bf16, blocks of 256 tokens\n")
-    print("| sequences x tokens | roofline ms | gather + SDPA ms | paged kernel ms | kernel / roofline | "
+    print("| sequences x tokens | splits | roofline ms | gather + SDPA ms | paged kernel ms | kernel / roofline | "
           "gather / kernel | max abs diff |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         B, T = map(int, shape.split("x"))
         args_ = inputs(B, T)
@@ -57,7 +57,7 @@ def main() -> None:
         ours, ref = paged_decode_attention(*args_), gather_path(*args_)
         diff = (ours.float() - ref.float()).abs().max().item()
         t_gather, t_paged = bench(lambda: gather_path(*args_)), bench(lambda: paged_decode_attention(*args_))
-        print(f"| {B} x {T} | {roofline:.3f} | {t_gather:.3f} | {t_paged:.3f} | {t_paged / roofline:.2f}x | "
+        print(f"| {B} x {T} | {default_splits(B, pool_k.shape[1], q.device)} | {roofline:.3f} | {t_gather:.3f} | {t_paged:.3f} | {t_paged / roofline:.2f}x | "
               f"{t_gather / t_paged:.2f}x | {diff:.1e} |", flush=True)
         del args_, q, pool_k, ours, ref
         torch.cuda.empty_cache()
