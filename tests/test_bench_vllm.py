@@ -15,3 +15,10 @@ def test_each_row_is_compared_with_vllm_at_its_length():
     assert lines[3] == "| 1024 | ? x ? | engine | sse-h-2b | 15,000 | 1.50x | 20.0 |"
     assert lines[4] == "| 8192 | ? x ? | engine | sse-h-2b | 9,000 | 3.00x | 21.0 |"
     assert table(rows[1:2]).splitlines()[2].endswith("| - | 20.0 |")  # no vLLM row at that length
+
+
+def test_vllm_serving_sse_h_is_not_the_reference():
+    """vLLM + our plugin on SSE-H is a row like the others; every row compares with vLLM on the Transformer."""
+    rows = [dict(new_tokens=8192, system="vllm", model="transformer-2b", tokens=3000, seconds=1.0, peak=0),
+            dict(new_tokens=8192, system="vllm", model="sse-h-2b", tokens=6000, seconds=1.0, peak=0)]
+    assert table(rows).splitlines()[3] == "| 8192 | ? x ? | vllm | sse-h-2b | 6,000 | 2.00x | 0.0 |"

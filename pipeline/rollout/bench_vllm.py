@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 SYSTEMS = [("vllm", "transformer-2b"), ("engine", "transformer-2b"), ("engine", "sse-h-2b")]
+PEER = SYSTEMS[0]  # every row's "vs vLLM": vLLM serving the same-size Transformer
 
 
 class PeakMemory:
@@ -56,9 +57,11 @@ def prompts(args) -> list[list[int]]:
     return [torch.randint(100, 1000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts[0])]
 
 
-def export(path: str, preset: str) -> None:
+def export(path: str, preset: str, max_len: int) -> None:
     """``preset`` with random weights as a bf16 checkpoint vLLM serves: attention-only models as Llama, SSE models
-    as ``SSEForCausalLM`` (served through :mod:`pipeline.rollout.vllm_plugin`)."""
+    as ``SSEForCausalLM`` (served through :mod:`pipeline.rollout.vllm_plugin`). Its ``max_position_embeddings``
+    covers ``max_len``: vLLM sizes its rotary table by it, and a prompt of 512 + 32768 new tokens runs past the
+    presets' 32768 (a device-side assert at the last positions)."""
     import torch
 
     from sse_model.convert import export_to_llama
@@ -67,6 +70,7 @@ def export(path: str, preset: str) -> None:
     from .vllm_plugin import linear_kind
 
     model = build(preset)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings or 0, max_len)
     (model if linear_kind(model.config) else export_to_llama(model)).save_pretrained(path)
     torch.cuda.empty_cache()
 
@@ -114,11 +118,11 @@ def run_engine(preset: str, args, new_tokens: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    """Markdown rows of ``results`` (``new_tokens, system, model, tokens, seconds, peak``), each against vLLM's
-    row of the same length."""
+    """Markdown rows of ``results`` (``new_tokens, system, model, tokens, seconds, peak``), each against the
+    :data:`PEER` row of the same length."""
     lines = ["| new tokens | sequences | system | model | tokens/s | vs vLLM | peak GiB |",
              "|---|---|---|---|---|---|---|"]
-    vllm = {r["new_tokens"]: r["tokens"] / r["seconds"] for r in results if r["system"] == "vllm"}
+    vllm = {r["new_tokens"]: r["tokens"] / r["seconds"] for r in results if (r["system"], r["model"]) == PEER}
     for r in results:
         tps = r["tokens"] / r["seconds"]
         ref = vllm.get(r["new_tokens"])
@@ -153,7 +157,7 @@ def main() -> None:
     if args.child:
         system, model, new_tokens, path = args.child
         if system == "export":
-            export(path, model)
+            export(path, model, int(new_tokens))
             return
         run = run_vllm(path, args, int(new_tokens)) if system == "vllm" else run_engine(model, args, int(new_tokens))
         print("RESULT " + json.dumps(run), flush=True)
@@ -181,8 +185,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         systems = [s.split(":") for s in args.systems]
         checkpoints = {model: str(Path(args.model_dir or tmp, model)) for system, model in systems if system == "vllm"}
+        longest = args.prompt_len + max(args.new_tokens)
         for model, path in checkpoints.items():
-            if not Path(path, "config.json").exists() and child("export", model, 0, path) is None:
+            config = Path(path, "config.json")
+            if config.exists() and json.loads(config.read_text()).get("max_position_embeddings", 0) >= longest:
+                continue
+            if child("export", model, longest, path) is None:
                 raise SystemExit(f"saving {model} for vLLM failed")
         for new_tokens, n_prompts in per_length.items():
             for system, model in systems:
