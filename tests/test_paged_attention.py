@@ -1,5 +1,5 @@
-"""The paged decode-attention kernel (``kernels/paged_attention.py``) against gathering the blocks and running SDPA,
-which is what the engine does today; on CPU through Triton's interpreter."""
+"""The paged decode-attention kernel (``kernels/paged_attention.py``) against gathering the blocks and running SDPA
+(the engine's path without it); on CPU through Triton's interpreter."""
 
 import pytest
 import torch

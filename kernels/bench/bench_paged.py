@@ -1,12 +1,13 @@
-"""Decode attention over the engine's paged KV: the gather path the engine runs today against the paged kernel
-(``kernels/paged_attention.py``) and the memory roofline; prints one markdown table (GPU).
+"""Decode attention over the engine's paged KV: the paged kernel the engine runs (``kernels/paged_attention.py``)
+against gathering the blocks + SDPA (its path before, still its path with ``paged_decode=False``) and the memory
+roofline; prints one markdown table (GPU).
 
     python -m kernels.bench.bench_paged [--shapes 256x1536 64x8192 8x32768]
 
 Per shape ``BxT`` (sequences x cached tokens each; one attention layer of ``transformer-2b``/``sse-h-2b``: 18
 heads of 128, bf16, blocks of 256 tokens scattered over the pool): the gather path is what
-``SlotCache.attend`` and ``SoftmaxAttention`` do per decode step (each sequence's blocks gathered into one tensor,
-then SDPA with the validity mask); the roofline reads every cached key and value once at the measured copy
+``SlotCache.attend`` and ``SoftmaxAttention`` do without the kernel (each sequence's blocks gathered into one
+tensor, then SDPA with the validity mask); the roofline reads every cached key and value once at the measured copy
 bandwidth.
 """
 
