@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kernels.bench.bench_sse import copy_bandwidth
 from sse_model.cache import SlotCache
 
 from .engine import Engine
@@ -31,19 +32,6 @@ def build(preset: str):
     with torch.device("cuda"):
         model = SSEForCausalLM(SSEConfig.from_preset(preset)).to(torch.bfloat16).eval()
     return model
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 4 * 20 / (time.perf_counter() - start)
 
 
 def decode_step_bytes(model, batch: int, context: int) -> dict[str, int]:
@@ -96,7 +84,6 @@ def main() -> None:
     print(f"Device: {props.name}, torch {torch.__version__}\n")
     rows = []
     model = build(args.preset)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     max_len = args.prompt_len + args.new_tokens
     prompts = [torch.randint(100, 1000, (args.prompt_len,)).tolist() for _ in range(args.prompts)]
     params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
@@ -143,7 +130,7 @@ def main() -> None:
     engine.cache.reset(slots)
     bw = copy_bandwidth()
     cfg = model.config
-    parts = decode_step_bytes(model, B, args.prompt_len + args.new_tokens // 2)
+    parts = decode_step_bytes(model, B, context)
     weight_bytes, state_bytes, kv_bytes = parts["weights"], parts["states"], parts["KV"]
     roof_ms = (weight_bytes + state_bytes + kv_bytes) / bw * 1e3
 
@@ -168,7 +155,7 @@ def main() -> None:
     for name, batch, new, tps in rows:
         print(f"| {name} | {batch} | {new} | {tps:,.0f} | {engine_tps / tps:.1f}x slower |" if tps != engine_tps
               else f"| {name} | {batch} | {new} | {tps:,.0f} | - |")
-    print(f"\nDecode step at batch {B} (context {args.prompt_len + args.new_tokens // 2}): {step_ms:.2f} ms; roofline "
+    print(f"\nDecode step at batch {B} (context {context}): {step_ms:.2f} ms; roofline "
           f"{roof_ms:.2f} ms (weights {weight_bytes / 1e9:.2f} GB + states {state_bytes / 1e9:.2f} GB + KV "
           f"{kv_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s copy bandwidth): {step_ms / roof_ms:.2f}x roofline.")
     print(f"Peak GPU memory during the engine run: {peak / 2**30:.1f} GiB.")

@@ -18,7 +18,9 @@ from collections import defaultdict
 
 import torch
 
-from .benchmark import build, copy_bandwidth, decode_step_bytes
+from kernels.bench.bench_sse import copy_bandwidth
+
+from .benchmark import build, decode_step_bytes
 from .engine import Engine
 from .sampling import SamplingParams, sample
 
@@ -105,14 +107,13 @@ def main() -> None:
         kernels_eager = kernel_table(forward, args.top)
         restore()
         logits = forward()
-    temperature, ones = torch.ones(B, device="cuda"), torch.ones(B, device="cuda")
-    off = torch.zeros(B, dtype=torch.long, device="cuda")
+    ones, off = torch.ones(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")  # T = 1, top-p 1, top-k off
     seeds, steps = torch.arange(B, device="cuda"), torch.full((B,), 7, device="cuda")
     rows.append(("sampler, one pass (kernel)",
-                 median_ms(lambda: sample(logits, temperature, ones, off, seeds, steps, need_filter=False),
+                 median_ms(lambda: sample(logits, ones, ones, off, seeds, steps, need_filter=False),
                            args.repeats)))
     rows.append(("sampler, PyTorch with top-p/top-k filtering",
-                 median_ms(lambda: sample(logits, temperature, ones, off, seeds, steps, need_filter=True),
+                 median_ms(lambda: sample(logits, ones, ones, off, seeds, steps, need_filter=True),
                            args.repeats)))
 
     bandwidth = copy_bandwidth()
