@@ -58,7 +58,8 @@ def main() -> None:
         ours, ref = paged_decode_attention(*args_), gather_path(*args_)
         diff = (ours.float() - ref.float()).abs().max().item()
         t_gather, t_paged = bench(lambda: gather_path(*args_)), bench(lambda: paged_decode_attention(*args_))
-        print(f"| {B} x {T} | {default_splits(B, pool_k.shape[1], q.device)} | {roofline:.3f} | {t_gather:.3f} | {t_paged:.3f} | {t_paged / roofline:.2f}x | "
+        splits = default_splits(B, pool_k.shape[1], q.device)
+        print(f"| {B} x {T} | {splits} | {roofline:.3f} | {t_gather:.3f} | {t_paged:.3f} | {t_paged / roofline:.2f}x | "
               f"{t_gather / t_paged:.2f}x | {diff:.1e} |", flush=True)
         del args_, q, pool_k, ours, ref
         torch.cuda.empty_cache()

@@ -107,7 +107,8 @@ def main() -> None:
         kernels_eager = kernel_table(forward, args.top)
         restore()
         logits = forward()
-    ones, off = torch.ones(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")  # T = 1, top-p 1, top-k off
+    # temperature 1, top-p 1, top-k off
+    ones, off = torch.ones(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
     seeds, steps = torch.arange(B, device="cuda"), torch.full((B,), 7, device="cuda")
     rows.append(("sampler, one pass (kernel)",
                  median_ms(lambda: sample(logits, ones, ones, off, seeds, steps, need_filter=False),
