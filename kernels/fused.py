@@ -21,10 +21,17 @@ import triton.language as tl
 from sse_model.ops.fused import ACTIVATIONS
 
 MAX_ROW = 16384
+MIN_PROGRAMS = 256
 
 
-def _rows_per_program(block: int) -> int:
-    return max(1, min(64, 4096 // block))
+def _rows_per_program(block: int, rows: int | None = None) -> int:
+    """Rows of ``block`` elements per program: up to 4096 elements, but, given the number of ``rows``, fewer
+    where that leaves under ``MIN_PROGRAMS`` programs (a decode step's few hundred rows would otherwise run on
+    a handful of SMs)."""
+    per = max(1, min(64, 4096 // block))
+    while rows is not None and per > 1 and triton.cdiv(rows, per) < MIN_PROGRAMS:
+        per //= 2
+    return per
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,7 +94,7 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty_like(x2, dtype=out_dtype)
         rstd = torch.empty(M, device=x.device, dtype=torch.float32)
         BD = triton.next_power_of_2(D)
-        BM = _rows_per_program(BD)
+        BM = _rows_per_program(BD, M)
         _rms_fwd[(triton.cdiv(M, BM),)](x2, weight, x2 if g2 is None else g2, y, rstd, M, D, eps,
                                         HAS_GATE=g2 is not None, BD=BD, BM=BM, num_warps=4 if BD <= 1024 else 8)
         ctx.save_for_backward(x2, weight, g2, rstd)
@@ -243,7 +250,7 @@ class _Features(torch.autograd.Function):
         M = q.numel() // K
         outs = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, q, k, k, ins[4], ins[5])]
         BK = max(16, triton.next_power_of_2(K))
-        BM = _rows_per_program(BK)
+        BM = _rows_per_program(BK, M)
         _features_fwd[(triton.cdiv(M, BM),)](*ins, *outs, M, K, H, sq, sk, 1.0 / normalizer,
                                              LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
         ctx.save_for_backward(*ins)

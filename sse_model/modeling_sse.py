@@ -24,7 +24,7 @@ from .layers.attention import SoftmaxAttention
 from .layers.common import ForwardContext
 from .layers.linear import LinearAttention, init_gdn_decay
 from .layers.sse import SSEAttention
-from .modules import RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLUMLP
+from .modules import RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLUMLP, pack_linears
 from .ops.checkpointing import KeptOutputs
 from .ops.varlen import check_cu_seqlens, cu_seqlens_from_position_ids
 
@@ -76,6 +76,14 @@ class SSEPreTrainedModel(PreTrainedModel):
             gradient_checkpointing_func = partial(gradient_checkpointing_func,
                                                   context_fn=lambda: KeptOutputs(keep_large).contexts())
         super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
+
+    def pack_projections(self) -> None:
+        """Lays out each module's ``input_projections()`` side by side in memory (:func:`pack_linears`), so that
+        generation reads each group in one matrix product: the rollout engine calls it. Parameters stay separate
+        (views); training is unchanged."""
+        for module in self.modules():
+            if hasattr(module, "input_projections"):
+                pack_linears(*module.input_projections())
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -43,15 +43,67 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     """Several linear maps of one input. With autograd on (training), one matrix product over the maps'
     concatenated weights: ``x`` is read once, the backward runs one input-gradient product instead of one per
     map plus their sum, and the host issues a few operators instead of a product and a cast per map; the
-    outputs are column slices (views). Without autograd (generation), one product per map: a decode step then
-    reads each weight once instead of copying them all into a concatenation first."""
+    outputs are column slices (views). Without autograd (generation), one product over the weights in place
+    where :func:`pack_linears` laid them side by side, else one product per map (a concatenation would copy
+    every weight at every decode step)."""
+    sizes = [m.out_features for m in linears]
     if not torch.is_grad_enabled():
-        return [m(x) for m in linears]
+        packed = packed_weights(linears)
+        if packed is None:
+            return [m(x) for m in linears]
+        return list(F.linear(x, *packed).split(sizes, dim=-1))
     weight = torch.cat([m.weight for m in linears])
     bias = None
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
-    return list(F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1))
+    return list(F.linear(x, weight, bias).split(sizes, dim=-1))
+
+
+def pack_linears(*linears: nn.Linear) -> None:
+    """Moves the weights of ``linears`` (and their biases, when all have one) into consecutive rows of one new
+    tensor, so that :func:`project` reads them in one matrix product when autograd is off.
+
+    Why: a decode step multiplies a few rows by each weight; one product per map leaves most of the GPU idle
+    for the narrow ones (LoRA and gate ranks of 16-64 outputs) and costs a launch each. The parameters stay
+    the same objects (their ``.data`` becomes a view), so optimizers, hooks and ``load_state_dict`` keep
+    working and in-place weight updates land in the packed tensor. Anything that replaces a parameter's data
+    (e.g. a ``.to()`` that converts) unpacks it again; :func:`project` then falls back to one product per map.
+    """
+    if len({(m.in_features, m.weight.dtype, m.weight.device) for m in linears}) != 1:
+        raise ValueError("pack_linears: the maps must share their input size, dtype and device")
+    with torch.no_grad():
+        weights = torch.cat([m.weight for m in linears])
+        for m, w in zip(linears, weights.split([m.out_features for m in linears])):
+            m.weight.data = w
+        if all(m.bias is not None for m in linears):
+            biases = torch.cat([m.bias for m in linears])
+            for m, b in zip(linears, biases.split([m.out_features for m in linears])):
+                m.bias.data = b
+
+
+def packed_weights(linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` covering ``linears`` in order when :func:`pack_linears` laid them out side by side
+    (views of the packed tensors, no copy); None otherwise."""
+    weight = _covering([m.weight for m in linears])
+    if weight is None:
+        return None
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    bias = _covering(biases) if all(b is not None for b in biases) else None
+    return None if bias is None else (weight, bias)
+
+
+def _covering(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over ``tensors`` when they are contiguous and follow each other in one storage."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    return first.detach().as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 class SwiGLUMLP(nn.Module):
@@ -63,8 +115,16 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """The maps that read the block's input: packed side by side for generation (:func:`pack_linears`)."""
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():  # a concatenated copy of these weights would be kept for every block's backward
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = project(x, *self.input_projections())
+        return self.down_proj(F.silu(gate) * up)
 
 
 class ShortConvolution(nn.Conv1d):

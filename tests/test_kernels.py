@@ -247,15 +247,16 @@ def test_chunk_kernels_take_the_exact_path_for_strong_decays():
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [128, 96, 1000])
-def test_rms_norm_kernel_matches_reference(gated, dtype, D):
+@pytest.mark.parametrize("D,T", [(128, 37), (96, 37), (1000, 37), (128, 201)])
+def test_rms_norm_kernel_matches_reference(gated, dtype, D, T):
+    """111 rows: one row per program (a decode step's shape); 603 rows: two per program, the last one short."""
     from kernels.fused import rms_norm_triton
     from sse_model.ops.fused import rms_norm
 
-    x = torch.randn(3, 37, D).to(dtype)
-    gate = torch.randn(3, 37, D).to(dtype) if gated else None
+    x = torch.randn(3, T, D).to(dtype)
+    gate = torch.randn(3, T, D).to(dtype) if gated else None
     weight = torch.rand(D) + 0.5
-    dy = torch.randn(3, 37, D)
+    dy = torch.randn(3, T, D)
     leaves_ref = [t.detach().double().requires_grad_() for t in (x, weight) + ((gate,) if gated else ())]
     ref = rms_norm(leaves_ref[0], leaves_ref[1], 1e-6, leaves_ref[2] if gated else None)
     grads_ref = torch.autograd.grad((ref * dy.double()).sum(), leaves_ref)

@@ -123,6 +123,41 @@ def test_save_load_round_trip_and_auto_classes(tmp_path):
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_packed_projections_change_no_output_gradient_or_checkpoint(mixer, tmp_path):
+    """``pack_projections`` (what the rollout engine does): every group is then read in one product without
+    autograd; decoding, gradients, in-place updates and save/load are those of the unpacked model."""
+    from sse_model.modules import packed_weights
+
+    model, reference = tiny(mixer), tiny(mixer)
+    params = dict(model.named_parameters())
+    groups = [m.input_projections() for m in model.modules() if hasattr(m, "input_projections")]
+    assert all(packed_weights(g) is None for g in groups if len(g) > 1)
+    model.pack_projections()
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same parameters, now views
+    assert all(packed_weights(g) is not None for g in groups)
+    x = torch.randint(1, 97, (2, 12))
+    with torch.no_grad():
+        for m in (model, reference):
+            out = m(x[:, :8], use_cache=True)
+            m.decoded = [out.logits] + [m(x[:, t:t + 1], past_key_values=out.past_key_values).logits
+                                        for t in range(8, 12)]
+    assert_close(torch.cat(model.decoded, 1), torch.cat(reference.decoded, 1), torch.float64, "packed decode")
+    for m in (model, reference):
+        m.train()(x, labels=x).loss.backward()
+    for n, p in reference.named_parameters():
+        assert_close(params[n].grad, p.grad, torch.float64, f"gradient of {n}")
+    with torch.no_grad():  # an in-place update (optimizer, weight sync) reaches the packed tensor
+        group = groups[0]
+        group[-1].weight.add_(1.0)
+        assert torch.equal(packed_weights(group)[0][-group[-1].out_features:], group[-1].weight)
+    model.eval().save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).state_dict()
+    assert all(torch.equal(loaded[n], p) for n, p in model.state_dict().items())
+    model.float()  # a conversion unpacks; generation falls back to one product per map
+    assert all(packed_weights(g) is None for g in groups if len(g) > 1)
+
+
 def test_aux_loss_rises_when_routing_collapses():
     model = tiny("sse-gla", dtype=torch.float32, mixer_types=["sse", "sse"], num_sparse_partitions=4).train()
     x = torch.randint(1, 97, (4, 64))

@@ -35,11 +35,20 @@ PROMPTS = ["What is 2+3?", "Compute the sum of the first ten primes, please.", "
 
 
 def test_greedy_matches_model_generate(model, tokenizer):
+    """Against ``generate`` on a copy whose projections are not packed (the engine packs its model's)."""
+    from sse_model.modules import packed_weights
+
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.data = p.data.clone()
     engine = make_engine(model, tokenizer)
+    groups = [m.input_projections() for m in engine.model.modules() if hasattr(m, "input_projections")]
+    assert all(packed_weights(g) is not None for g in groups)
+    assert not any(packed_weights(m.input_projections()) for m in reference.modules() if hasattr(m, "input_projections"))
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+        ref = reference.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
         assert out.outputs[0].token_ids == ref.tolist(), prompt
         assert out.outputs[0].finish_reason == "length"
 

@@ -166,6 +166,7 @@ class Engine:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(device=device, dtype=dtype or next(model.parameters()).dtype).eval()
+        self.model.pack_projections()  # one product per group of maps that read one input (a decode step's GEMMs)
         self.tokenizer = tokenizer
         self.config = model.config
         self.device, self.dtype = device, next(self.model.parameters()).dtype

@@ -72,7 +72,7 @@ class PagedAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         a, T = self.inner, hidden.shape[0]
-        q, k, v = project(hidden, a.q_proj, a.k_proj, a.v_proj)
+        q, k, v = project(hidden, *a.input_projections())
         q, k = a.rotary(q.view(1, T, a.num_heads, a.head_dim), k.view(1, T, a.num_kv_heads, a.head_dim),
                         positions[None])
         return a.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v))

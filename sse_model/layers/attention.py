@@ -35,9 +35,13 @@ class SoftmaxAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, base=config.rope_theta, parameters=config.rope_parameters,
                                       max_position_embeddings=config.max_position_embeddings)
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """q, k and v: they read the layer's input in one product."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
-        q, k, v = project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = project(hidden_states, *self.input_projections())
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)

@@ -79,6 +79,10 @@ class LinearAttention(nn.Module):
         """RetNet's per-head decay ``gamma_h = 1 - 2^(-5-h)``, as a log."""
         return (1 - 2.0 ** (-5 - torch.arange(self.num_heads, dtype=torch.float32))).log()
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """What reads the layer's input in one product: q, k, v and GLA's narrow low-rank gate."""
+        return self.q_proj, self.k_proj, self.v_proj, *([self.gk_proj[0]] if self.kind == "gla" else [])
+
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext):
         cfg = self.config
         B, T, _ = hidden_states.shape
@@ -87,8 +91,7 @@ class LinearAttention(nn.Module):
         pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
-        low_gate = [self.gk_proj[0]] if self.kind == "gla" else []  # read x in the same product
-        q_raw, k_raw, v_raw, *low = project(x, self.q_proj, self.k_proj, self.v_proj, *low_gate)
+        q_raw, k_raw, v_raw, *low = project(x, *self.input_projections())
         q_raw, k_raw = zero_padding(q_raw, ctx.token_mask), zero_padding(k_raw, ctx.token_mask)
         conv_out = None
         if cfg.use_short_conv:

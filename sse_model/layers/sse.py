@@ -101,7 +101,15 @@ class SSEAttention(nn.Module):
             qk_l2norm=self.transition == "gdn" and config.gdn_gate_target == "key",
         )
 
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """What reads the layer's input in one product: q, k, v and the narrow first halves of the low-rank
+        maps (the router stays a module call, so that hooks on ``e_proj`` see its logits)."""
+        narrow = [self.lora_q_proj[0], self.lora_k_proj[0]]
+        if self.transition == "gla":
+            narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
+        return self.q_proj, self.k_proj, self.v_proj, *narrow
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.config
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
@@ -110,12 +118,7 @@ class SSEAttention(nn.Module):
         pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
-        # q, k, v and the narrow first halves of the low-rank maps read x together (the router stays a module
-        # call, so that hooks on e_proj see its logits)
-        narrow = [self.lora_q_proj[0], self.lora_k_proj[0]]
-        if self.transition == "gla":
-            narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
-        q, k, v, *low = project(x, self.q_proj, self.k_proj, self.v_proj, *narrow)
+        q, k, v, *low = project(x, *self.input_projections())
         q, k = zero_padding(q, mask), zero_padding(k, mask)
         lora_q, lora_k = self.lora_q_proj[1](low[0]), self.lora_k_proj[1](low[1])
 
@@ -167,7 +170,8 @@ class SSEAttention(nn.Module):
             token = Routing(routing.probs[:, 0], routing.topk[:, 0], routing.num_writers, routing.num_readers)
             o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options)[:, None]
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
-            return output_projection(self, o.to(hidden_states.dtype), hidden_states), balance_loss(routing, mask)
+            # no balance loss: it is a training objective, and a decode step would spend a dozen launches on it
+            return output_projection(self, o.to(hidden_states.dtype), hidden_states), None
         o, recurrent = sse_attention(
             shared, sparse, v, routing, self.options,
             implementation=cfg.sse_implementation,
