@@ -14,6 +14,8 @@ Both treat their inputs as rows of the last dim; rows must fit one tile (up to 1
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -230,15 +232,18 @@ def _features_bwd(q, ql, k, kl, g0, g1, dq0, dq1, dk0, dk1, do0, do1, dq, dql, d
     tl.store(dg1 + offs, (d * inv_norm * tl.sigmoid(-x)).to(dg1.dtype.element_ty), mask=mask)
 
 
-def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``x`` (``[..., H, K]``) and the distance between its tokens, without a copy where its heads are
-    contiguous and its tokens evenly spaced (a column slice of a wider projection's output)."""
-    H, K = x.shape[-2:]
-    lead, strides = x.shape[:-2], x.stride()[:-2]
+def _token_rows(x: torch.Tensor, dims: int = 2) -> tuple[torch.Tensor, int]:
+    """``x`` (``[..., H, K]``, or ``[..., r]`` with ``dims=1``) and the distance between its tokens, without a
+    copy where each token's entries are contiguous and its tokens evenly spaced (a column slice of a wider
+    projection's output)."""
+    inner, lead, strides = x.shape[-dims:], x.shape[:-dims], x.stride()[:-dims]
+    width = math.prod(inner)
+    expected = [math.prod(inner[i + 1:]) for i in range(dims)]
+    dense = all(s == e or n == 1 for s, e, n in zip(x.stride()[-dims:], expected, inner))
     even = all(strides[i] == strides[i + 1] * lead[i + 1] for i in range(len(lead) - 1) if lead[i] > 1)
-    if x.stride(-1) == 1 and x.stride(-2) == K and even:
-        return x, (strides[-1] if lead else H * K)
-    return x.contiguous(), H * K
+    if dense and even:
+        return x, (strides[-1] if lead else width)
+    return x.contiguous(), width
 
 
 class _Features(torch.autograd.Function):
@@ -282,3 +287,97 @@ def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side
         return None
     return _Features.apply(q, q_lora, k, k_lora, gk_shared, gk_sparse, lora_side == "shared",
                            ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The SSE prologue of a decode step, from the low-rank inputs
+
+
+@triton.jit
+def _low_rank_up(low, w, t, tm, S, R, rows, rmask, BR: tl.constexpr):
+    """``low[t] @ w[rows]^T`` in float32 (``[BT, BR] x [BR, BK]``); ``low``'s tokens are ``S`` apart."""
+    r = tl.arange(0, BR)
+    a = tl.load(low + t[:, None] * S + r[None, :], mask=tm[:, None] & (r < R)[None, :], other=0.0)
+    b = tl.load(w + rows[None, :].to(tl.int64) * R + r[:, None], mask=rmask[None, :] & (r < R)[:, None], other=0.0)
+    # float32 operands (full precision; a few thousand products per program, so the tensor cores do not matter)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _with_lora(x, lora, LORA_SHARED: tl.constexpr):
+    """``(x, x + lora)`` as (shared, sparse) pre-activations, swapped when the LoRA is on the shared side."""
+    if LORA_SHARED:
+        return x + lora, x
+    return x, x + lora
+
+
+@triton.jit(do_not_specialize=["M", "SQ", "SK", "SV", "SLQ", "SLK", "SG0", "SG1", "inv_norm"])
+def _decode_features_fwd(q, k, v, lq, lk, lg0, lg1, wq, wk, wg0, bg0, wg1, bg1, q0, q1, k0, k1, o0, o1, vo,
+                         M, H, K, V, RQ, RG, SQ, SK, SV, SLQ, SLK, SG0, SG1, inv_norm,
+                         LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, VACT: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BRQ: tl.constexpr,
+                         BRG: tl.constexpr):
+    """One head of ``BT`` tokens: the four low-rank maps' second halves, the LoRA add, the q/k feature maps,
+    the log-sigmoid decays and the value's feature map."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < M
+    t = t.to(tl.int64)
+    cols = tl.arange(0, BK)
+    cm = cols < K
+    mask = tm[:, None] & cm[None, :]
+    rows = h * K + cols  # this head's rows of the up-projections
+    offs = (t * H + h)[:, None] * K + cols[None, :]
+    a, b = _with_lora(tl.load(q + t[:, None] * SQ + rows[None, :], mask=mask, other=0.0).to(tl.float32),
+                      _low_rank_up(lq, wq, t, tm, SLQ, RQ, rows, cm, BRQ), LORA_SHARED)
+    tl.store(q0 + offs, _act(a, mask, QACT).to(q0.dtype.element_ty), mask=mask)
+    tl.store(q1 + offs, _act(b, mask, QACT).to(q1.dtype.element_ty), mask=mask)
+    a, b = _with_lora(tl.load(k + t[:, None] * SK + rows[None, :], mask=mask, other=0.0).to(tl.float32),
+                      _low_rank_up(lk, wk, t, tm, SLK, RQ, rows, cm, BRQ), LORA_SHARED)
+    tl.store(k0 + offs, _act(a, mask, KACT).to(k0.dtype.element_ty), mask=mask)
+    tl.store(k1 + offs, _act(b, mask, KACT).to(k1.dtype.element_ty), mask=mask)
+    x = _low_rank_up(lg0, wg0, t, tm, SG0, RG, rows, cm, BRG) + tl.load(bg0 + rows, mask=cm)[None, :].to(tl.float32)
+    tl.store(o0 + offs, (_logsigmoid(x) * inv_norm).to(o0.dtype.element_ty), mask=mask)
+    x = _low_rank_up(lg1, wg1, t, tm, SG1, RG, rows, cm, BRG) + tl.load(bg1 + rows, mask=cm)[None, :].to(tl.float32)
+    tl.store(o1 + offs, (_logsigmoid(x) * inv_norm).to(o1.dtype.element_ty), mask=mask)
+    vcols = tl.arange(0, BV)
+    vmask = tm[:, None] & (vcols < V)[None, :]
+    x = tl.load(v + t[:, None] * SV + (h * V + vcols)[None, :], mask=vmask, other=0.0).to(tl.float32)
+    tl.store(vo + (t * H + h)[:, None] * V + vcols[None, :], _act(x, vmask, VACT).to(vo.dtype.element_ty), mask=vmask)
+
+
+DECODE_TOKENS_PER_PROGRAM = 16  # the smallest tile of tl.dot
+
+
+def sse_decode_features_triton(q, k, v, low, up, *, lora_side: str, q_activation: str, k_activation: str,
+                               v_activation: str, normalizer: float):
+    """Drop-in for :func:`sse_model.ops.fused.sse_decode_features`, without autograd (it serves generation);
+    None declines: gradients wanted, float64, mixed dtypes, biases other than the gates', shapes that differ."""
+    (wq, bq), (wk, bk), (wg0, bg0), (wg1, bg1) = up
+    tensors = (q, k, v, *low, wq, wk, wg0, wg1, bg0, bg1)
+    if any(t is None for t in tensors) or bq is not None or bk is not None:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if q.dtype == torch.float64 or len({t.dtype for t in tensors}) != 1 or q.shape != k.shape:
+        return None
+    H, K = q.shape[-2:]
+    V = v.shape[-1]
+    RQ, RG = low[0].shape[-1], low[2].shape[-1]
+    if (low[1].shape[-1], low[3].shape[-1]) != (RQ, RG) or max(K, V) > MAX_ROW or max(RQ, RG) > 256:
+        return None
+    (q, sq), (k, sk), (v, sv) = _token_rows(q), _token_rows(k), _token_rows(v)
+    (lq, slq), (lk, slk), (lg0, sg0), (lg1, sg1) = (_token_rows(x, 1) for x in low)
+    M = q.numel() // (H * K)
+    outs = [torch.empty(q.shape, device=q.device, dtype=q.dtype) for _ in range(6)]
+    v_out = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    BT = DECODE_TOKENS_PER_PROGRAM
+    _decode_features_fwd[(triton.cdiv(M, BT), H)](
+        q, k, v, lq, lk, lg0, lg1, wq, wk, wg0, bg0, wg1, bg1, *outs, v_out,
+        M, H, K, V, RQ, RG, sq, sk, sv, slq, slk, sg0, sg1, 1.0 / normalizer,
+        LORA_SHARED=lora_side == "shared", QACT=ACTIVATIONS.index(q_activation),
+        KACT=ACTIVATIONS.index(k_activation), VACT=ACTIVATIONS.index(v_activation), BT=BT,
+        BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
+        BRQ=max(16, triton.next_power_of_2(RQ)), BRG=max(16, triton.next_power_of_2(RG)), num_warps=4)
+    q0, q1, k0, k1, g0, g1 = outs
+    return q0, k0, g0, q1, k1, g1, v_out

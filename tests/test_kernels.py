@@ -353,6 +353,48 @@ def test_sse_features_kernel_reads_column_slices():
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_act,k_act,v_act,lora_side", [("silu", "softmax", "silu", "sparse"),
+                                                         ("identity", "silu", "identity", "shared")])
+@pytest.mark.parametrize("rows", [5, 37])  # one program per head, and three (the last one short)
+def test_sse_decode_features_kernel_matches_reference(dtype, q_act, k_act, v_act, lora_side, rows):
+    """A decode step's prologue from the layer's first product (q, k, v and the four low-rank inputs as column
+    slices of it, as the packed product leaves them), ranks that are not powers of two, K != V."""
+    from kernels.fused import sse_decode_features_triton
+    from sse_model.ops.fused import sse_decode_features
+
+    H, K, V, RQ, RG = 3, 32, 16, 24, 8
+    sizes = [H * K, H * K, H * V, RQ, RQ, RG, RG]
+    proj = torch.randn(rows, 1, sum(sizes))
+    ups = [(torch.randn(H * K, r) / r**0.5, torch.randn(H * K) if gate else None)
+           for r, gate in ((RQ, False), (RQ, False), (RG, True), (RG, True))]
+    options = dict(lora_side=lora_side, q_activation=q_act, k_activation=k_act, v_activation=v_act, normalizer=16.0)
+
+    def run(fn, proj, ups):
+        q, k, v, *low = proj.split(sizes, dim=-1)
+        return fn(q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)), v.unflatten(-1, (H, V)), low, ups, **options)
+
+    ref = run(sse_decode_features, proj.double(), [(w.double(), None if b is None else b.double()) for w, b in ups])
+    with torch.no_grad():
+        out = run(sse_decode_features_triton, proj.to(DEVICE, dtype),
+                  [(w.to(DEVICE, dtype), None if b is None else b.to(DEVICE, dtype)) for w, b in ups])
+    assert out is not None
+    for name, a, b in zip(["q sh", "k sh", "g sh", "q sp", "k sp", "g sp", "v"], out, ref):
+        assert a.shape == b.shape and a.dtype == dtype
+        assert_close(a.float().cpu(), b, dtype, f"output {name}")
+
+
+def test_sse_decode_features_kernel_declines_autograd():
+    from kernels.fused import sse_decode_features_triton
+
+    q = torch.randn(2, 1, 2, 16, requires_grad=True)
+    ups = [(torch.randn(32, 16), None), (torch.randn(32, 16), None), (torch.randn(32, 16), torch.randn(32)),
+           (torch.randn(32, 16), torch.randn(32))]
+    assert sse_decode_features_triton(q, q, q, [torch.randn(2, 1, 16)] * 4, ups, lora_side="sparse",
+                                      q_activation="silu", k_activation="softmax", v_activation="silu",
+                                      normalizer=16.0) is None
+
+
 PLAN_CASES = [  # sequence lengths, N, Kw, Kr, chunk
     ([5, 35, 1, 49], 4, 1, 1, 16),
     ([37, 33], 4, 2, 2, 16),

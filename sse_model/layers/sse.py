@@ -22,7 +22,7 @@ from ..cache import LinearLayerState
 from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, project, row_topk_softmax
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
-from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_features
+from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_decode_features, sse_features
 from ..ops.sse import Branch, Routing, SSEOptions
 from .common import ForwardContext, zero_padding
 from .linear import gdn_gates, init_gdn_decay, output_projection
@@ -109,6 +109,11 @@ class SSEAttention(nn.Module):
             narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
         return self.q_proj, self.k_proj, self.v_proj, *narrow
 
+    def low_rank_outputs(self) -> tuple[nn.Linear, ...]:
+        """The second halves of the LoRA q, LoRA k and (GLA) both decay gates, in ``input_projections`` order."""
+        gates = (self.gk_proj[0][1], self.gk_proj[1][1]) if self.transition == "gla" else ()
+        return self.lora_q_proj[1], self.lora_k_proj[1], *gates
+
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.config
         B, T, _ = hidden_states.shape
@@ -120,22 +125,27 @@ class SSEAttention(nn.Module):
 
         q, k, v, *low = project(x, *self.input_projections())
         q, k = zero_padding(q, mask), zero_padding(k, mask)
-        lora_q, lora_k = self.lora_q_proj[1](low[0]), self.lora_k_proj[1](low[1])
 
         def heads(t, d):
             return t.view(B, T, H, d)
 
         conv_out = None
-        v = feature_map(heads(v, V), cfg.v_activation)
-        if self.fused_features:  # one pass: the LoRA add, both feature maps, both log-decays
-            q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = sse_features(
-                heads(q, K), heads(lora_q, K), heads(k, K), heads(lora_k, K),
-                heads(self.gk_proj[0][1](low[2]), K), heads(self.gk_proj[1][1](low[3]), K),
-                lora_side=cfg.lora_side, q_activation=cfg.q_activation, k_activation=cfg.key_activation("gla"),
-                normalizer=cfg.gate_logit_normalizer,
-            )
+        if self.fused_features:
+            options = dict(lora_side=cfg.lora_side, q_activation=cfg.q_activation,
+                           k_activation=cfg.key_activation("gla"), normalizer=cfg.gate_logit_normalizer)
+            if pool is not None:  # a decode step: the low-rank maps' second halves in the same pass
+                ups = [(m.weight, m.bias) for m in self.low_rank_outputs()]
+                *features, v = sse_decode_features(heads(q, K), heads(k, K), heads(v, V), low, ups,
+                                                   v_activation=cfg.v_activation, **options)
+            else:  # one pass: the LoRA add, both feature maps, both log-decays
+                lora_q, lora_k, gk_shared, gk_sparse = (heads(m(t), K) for m, t in zip(self.low_rank_outputs(), low))
+                features = sse_features(heads(q, K), lora_q, heads(k, K), lora_k, gk_shared, gk_sparse, **options)
+                v = feature_map(heads(v, V), cfg.v_activation)
+            q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = features
             beta_shared = beta_sparse = None
         else:
+            lora_q, lora_k = self.lora_q_proj[1](low[0]), self.lora_k_proj[1](low[1])
+            v = feature_map(heads(v, V), cfg.v_activation)
             if cfg.lora_side == "sparse":
                 q_shared, k_shared, q_sparse, k_sparse = q, k, q + lora_q, k + lora_k
             else:

@@ -54,7 +54,8 @@ class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
-    ``rms_norm`` and ``sse_features`` the elementwise stages of :mod:`sse_model.ops.fused` (None declines)."""
+    ``rms_norm``, ``sse_features`` and ``sse_decode_features`` the fused stages of :mod:`sse_model.ops.fused`
+    (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -65,6 +66,7 @@ class Backend:
     route: Callable | None = None
     rms_norm: Callable | None = None
     sse_features: Callable | None = None
+    sse_decode_features: Callable | None = None
 
 
 _BACKENDS: list[Backend] = []
@@ -222,6 +224,16 @@ def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options):
     return fused.sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options)
 
 
+def sse_decode_features(q, k, v, low, up, **options):
+    """A decode step's SSE prologue through the dispatch point; see :func:`sse_model.ops.fused.sse_decode_features`."""
+    backend = active_backend(q)
+    if backend is not None and backend.sse_decode_features is not None:
+        out = backend.sse_decode_features(q, k, v, low, up, **options)
+        if out is not None:
+            return out
+    return fused.sse_decode_features(q, k, v, low, up, **options)
+
+
 __all__ = [
     "Backend",
     "LINEAR_MODES",
@@ -236,6 +248,7 @@ __all__ = [
     "select_linear_op",
     "sse_attention",
     "sse_decode",
+    "sse_decode_features",
     "sse_features",
     "torch_linear_op",
 ]

@@ -249,6 +249,33 @@ def test_fused_sse_features_real_sizes():
     assert out_err < TOL[torch.bfloat16] and grad_err < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("rows", [8, 256])
+def test_fused_sse_decode_features_real_sizes(rows):
+    """A 2B layer's decode prologue (ranks 64 and 16, q/k/v and the low-rank inputs as column slices of one
+    product) against the float32 reference."""
+    from kernels.fused import sse_decode_features_triton
+    from sse_model.ops.fused import sse_decode_features
+
+    sizes = [H * D, H * D, H * D, 64, 64, 16, 16]
+    proj = torch.randn(rows, 1, sum(sizes), device="cuda", dtype=torch.bfloat16)
+    ups = [(torch.randn(H * D, r, device="cuda", dtype=torch.bfloat16) / r**0.5,
+            torch.randn(H * D, device="cuda", dtype=torch.bfloat16) if gate else None)
+           for r, gate in ((64, False), (64, False), (16, True), (16, True))]
+    options = dict(lora_side="sparse", q_activation="silu", k_activation="softmax", v_activation="silu",
+                   normalizer=16.0)
+
+    def run(fn, proj, ups):
+        q, k, v, *low = proj.split(sizes, dim=-1)
+        return fn(q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), v.unflatten(-1, (H, D)), low, ups, **options)
+
+    with torch.no_grad():
+        outs = run(sse_decode_features_triton, proj, ups)
+        refs = run(sse_decode_features, proj.float(), [(w.float(), None if b is None else b.float()) for w, b in ups])
+    err = max(rel(a, b) for a, b in zip(outs, refs))
+    RESULTS.append((f"fused sse_decode_features {rows} rows: worst output", err, 0.0))
+    assert err < TOL[torch.bfloat16]
+
+
 def test_model_with_and_without_backend():
     from sse_model import SSEConfig, SSEForCausalLM
 
@@ -272,7 +299,7 @@ def test_model_with_and_without_backend():
 def test_engine_decode_step_paged_equals_gather():
     """One decode step of the rollout engine (bf16, sequences of 300-900 tokens over several KV blocks, forks
     sharing blocks): logits with the attention read in place (the engine's path, in its CUDA graph and eager)
-    against gathering the blocks + SDPA."""
+    against gathering the blocks + SDPA, and the Triton backend's decode step against the PyTorch ops."""
     from pipeline.rollout import Engine, SamplingParams
     from sse_model import SSEConfig, SSEForCausalLM
 
@@ -294,14 +321,21 @@ def test_engine_decode_step_paged_equals_gather():
     saved = [t.clone() for t in live]
     logits = {}
     with torch.no_grad():
-        for name, graphs, paged in (("graph", True, True), ("eager", False, True), ("gather", False, False)):
+        for name, graphs, paged in (("graph", True, True), ("eager", False, True), ("gather", False, False),
+                                    ("torch", False, False)):
             engine.use_cuda_graphs, cache.paged_decode = graphs, paged
             for t, value in zip(live, saved):
                 t.copy_(value)
-            logits[name] = engine._forward_decode(ids, slots).float().clone()
+            os.environ["SSE_BACKEND"] = "torch" if name == "torch" else ""
+            try:
+                logits[name] = engine._forward_decode(ids, slots).float().clone()
+            finally:
+                del os.environ["SSE_BACKEND"]
     errors = rel(logits["graph"], logits["gather"]), rel(logits["eager"], logits["gather"])
     RESULTS.append(("engine decode step: paged (graph / eager) vs gather", *errors))
+    RESULTS.append(("engine decode step: Triton backend (gather) vs PyTorch ops", rel(logits["gather"], logits["torch"]), 0.0))
     assert max(errors) < TOL[torch.bfloat16]
+    assert rel(logits["gather"], logits["torch"]) < TOL[torch.bfloat16]  # the decode prologue, norms, routing, SSE step
 
 
 @pytest.mark.parametrize("lengths,N,K", [([32768] * 4, 4, 1), ([int(x) for x in torch.randint(1, 3000, (64,))], 8, 2)])
