@@ -4,7 +4,8 @@
 - the gated delta rule (GDN mixers, SSE-GDN): fla's chunked kernels when fla is installed (its WY
   building blocks), else the PyTorch chunked ops;
 - decode and routing: :mod:`kernels.decode`, :mod:`kernels.routing`;
-- the fused elementwise stages (norms, the SSE feature prologue, its decode form): :mod:`kernels.fused`.
+- the fused elementwise stages (norms, the SwiGLU activation, the SSE feature prologue and its decode
+  form): :mod:`kernels.fused`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _supports(x: torch.Tensor) -> bool:
 
 def register() -> None:
     from .decode import linear_decode_triton, sse_decode_triton
-    from .fused import rms_norm_triton, sse_decode_features_triton, sse_features_triton
+    from .fused import rms_norm_triton, silu_mul_triton, sse_decode_features_triton, sse_features_triton
     from .routing import route_triton
     from .sse_chunk import sse_chunk_triton
 
@@ -68,6 +69,7 @@ def register() -> None:
         linear_decode=linear_decode_triton,
         route=route_triton,
         rms_norm=rms_norm_triton,
+        silu_mul=silu_mul_triton,
         sse_features=sse_features_triton,
         sse_decode_features=sse_decode_features_triton,
     ))

@@ -15,6 +15,7 @@ Both treat their inputs as rows of the last dim; rows must fit one tile (up to 1
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -130,6 +131,37 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: tor
     if x.shape[-1] > MAX_ROW or x.dtype == torch.float64 or (gate is not None and gate.shape != x.shape):
         return None
     return _RMSNorm.apply(x, weight, gate, eps, x.dtype if out_dtype is None else out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SwiGLU activation (generation)
+
+
+@triton.jit(do_not_specialize=["M", "SG", "SU"])
+def _silu_mul_fwd(gate, up, y, M, D, SG, SU, BD: tl.constexpr, BM: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = (rows < M)[:, None] & (cols < D)[None, :]
+    g = tl.load(gate + rows[:, None] * SG + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up + rows[:, None] * SU + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + rows[:, None] * D + cols[None, :], (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=mask)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """Drop-in for :func:`sse_model.ops.fused.silu_mul` without autograd (generation; training keeps PyTorch's):
+    one pass over ``gate`` and ``up``, read in place as column slices of one product. None declines."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return None
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype == torch.float64:
+        return None
+    (gate, sg), (up, su) = _token_rows(gate, 1), _token_rows(up, 1)
+    D = gate.shape[-1]
+    M = gate.numel() // D
+    y = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    BD = min(1024, triton.next_power_of_2(D))
+    BM = _rows_per_program(BD, M * triton.cdiv(D, BD))
+    _silu_mul_fwd[(triton.cdiv(M, BM), triton.cdiv(D, BD))](gate, up, y, M, D, sg, su, BD=BD, BM=BM, num_warps=4)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -294,21 +326,34 @@ def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side
 
 
 @triton.jit
-def _low_rank_up(low, w, t, tm, S, R, rows, rmask, BR: tl.constexpr):
+def _low_rank_up(low, w, t, tm, S, R, rows, rmask, BR: tl.constexpr, F32: tl.constexpr):
     """``low[t] @ w[rows]^T`` in float32 (``[BT, BR] x [BR, BK]``); ``low``'s tokens are ``S`` apart."""
     r = tl.arange(0, BR)
     a = tl.load(low + t[:, None] * S + r[None, :], mask=tm[:, None] & (r < R)[None, :], other=0.0)
-    b = tl.load(w + rows[None, :].to(tl.int64) * R + r[:, None], mask=rmask[None, :] & (r < R)[:, None], other=0.0)
-    # float32 operands (full precision; a few thousand products per program, so the tensor cores do not matter)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    b = tl.load(w + rows[:, None].to(tl.int64) * R + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
+    if F32:  # float32 products in full precision (and how Triton's interpreter multiplies bf16 correctly)
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))
 
 
 @triton.jit
-def _with_lora(x, lora, LORA_SHARED: tl.constexpr):
-    """``(x, x + lora)`` as (shared, sparse) pre-activations, swapped when the LoRA is on the shared side."""
+def _side_features(x, low, w, out0, out1, t, tm, offs, S, SL, R, rows, mask, cm, LORA_SHARED: tl.constexpr,
+                   ACT: tl.constexpr, BR: tl.constexpr, F32: tl.constexpr):
+    """``act(x)`` and ``act(x + low @ w^T)`` as (shared, sparse), swapped when the LoRA is on the shared side."""
+    a = tl.load(x + t[:, None] * S + rows[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = a + _low_rank_up(low, w, t, tm, SL, R, rows, cm, BR, F32)
     if LORA_SHARED:
-        return x + lora, x
-    return x, x + lora
+        a, b = b, a
+    tl.store(out0 + offs, _act(a, mask, ACT).to(out0.dtype.element_ty), mask=mask)
+    tl.store(out1 + offs, _act(b, mask, ACT).to(out1.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_features(low, w, bias, out, t, tm, offs, SL, R, rows, mask, cm, inv_norm, BR: tl.constexpr,
+                   F32: tl.constexpr):
+    """``logsigmoid(low @ w^T + bias) / normalizer``."""
+    x = _low_rank_up(low, w, t, tm, SL, R, rows, cm, BR, F32) + tl.load(bias + rows, mask=cm)[None, :].to(tl.float32)
+    tl.store(out + offs, (_logsigmoid(x) * inv_norm).to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "SQ", "SK", "SV", "SLQ", "SLK", "SG0", "SG1", "inv_norm"])
@@ -316,10 +361,10 @@ def _decode_features_fwd(q, k, v, lq, lk, lg0, lg1, wq, wk, wg0, bg0, wg1, bg1, 
                          M, H, K, V, RQ, RG, SQ, SK, SV, SLQ, SLK, SG0, SG1, inv_norm,
                          LORA_SHARED: tl.constexpr, QACT: tl.constexpr, KACT: tl.constexpr, VACT: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BRQ: tl.constexpr,
-                         BRG: tl.constexpr):
-    """One head of ``BT`` tokens: the four low-rank maps' second halves, the LoRA add, the q/k feature maps,
-    the log-sigmoid decays and the value's feature map."""
-    h = tl.program_id(1)
+                         BRG: tl.constexpr, F32: tl.constexpr):
+    """One head of ``BT`` tokens, one of four parts per program (a decode step has few tokens: the parts
+    spread it over more SMs): q, k, the shared gate and the value, the sparse gate."""
+    h, part = tl.program_id(1), tl.program_id(2)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < M
     t = t.to(tl.int64)
@@ -328,22 +373,19 @@ def _decode_features_fwd(q, k, v, lq, lk, lg0, lg1, wq, wk, wg0, bg0, wg1, bg1, 
     mask = tm[:, None] & cm[None, :]
     rows = h * K + cols  # this head's rows of the up-projections
     offs = (t * H + h)[:, None] * K + cols[None, :]
-    a, b = _with_lora(tl.load(q + t[:, None] * SQ + rows[None, :], mask=mask, other=0.0).to(tl.float32),
-                      _low_rank_up(lq, wq, t, tm, SLQ, RQ, rows, cm, BRQ), LORA_SHARED)
-    tl.store(q0 + offs, _act(a, mask, QACT).to(q0.dtype.element_ty), mask=mask)
-    tl.store(q1 + offs, _act(b, mask, QACT).to(q1.dtype.element_ty), mask=mask)
-    a, b = _with_lora(tl.load(k + t[:, None] * SK + rows[None, :], mask=mask, other=0.0).to(tl.float32),
-                      _low_rank_up(lk, wk, t, tm, SLK, RQ, rows, cm, BRQ), LORA_SHARED)
-    tl.store(k0 + offs, _act(a, mask, KACT).to(k0.dtype.element_ty), mask=mask)
-    tl.store(k1 + offs, _act(b, mask, KACT).to(k1.dtype.element_ty), mask=mask)
-    x = _low_rank_up(lg0, wg0, t, tm, SG0, RG, rows, cm, BRG) + tl.load(bg0 + rows, mask=cm)[None, :].to(tl.float32)
-    tl.store(o0 + offs, (_logsigmoid(x) * inv_norm).to(o0.dtype.element_ty), mask=mask)
-    x = _low_rank_up(lg1, wg1, t, tm, SG1, RG, rows, cm, BRG) + tl.load(bg1 + rows, mask=cm)[None, :].to(tl.float32)
-    tl.store(o1 + offs, (_logsigmoid(x) * inv_norm).to(o1.dtype.element_ty), mask=mask)
-    vcols = tl.arange(0, BV)
-    vmask = tm[:, None] & (vcols < V)[None, :]
-    x = tl.load(v + t[:, None] * SV + (h * V + vcols)[None, :], mask=vmask, other=0.0).to(tl.float32)
-    tl.store(vo + (t * H + h)[:, None] * V + vcols[None, :], _act(x, vmask, VACT).to(vo.dtype.element_ty), mask=vmask)
+    if part == 0:
+        _side_features(q, lq, wq, q0, q1, t, tm, offs, SQ, SLQ, RQ, rows, mask, cm, LORA_SHARED, QACT, BRQ, F32)
+    elif part == 1:
+        _side_features(k, lk, wk, k0, k1, t, tm, offs, SK, SLK, RQ, rows, mask, cm, LORA_SHARED, KACT, BRQ, F32)
+    elif part == 2:
+        _gate_features(lg0, wg0, bg0, o0, t, tm, offs, SG0, RG, rows, mask, cm, inv_norm, BRG, F32)
+        vcols = tl.arange(0, BV)
+        vmask = tm[:, None] & (vcols < V)[None, :]
+        x = tl.load(v + t[:, None] * SV + (h * V + vcols)[None, :], mask=vmask, other=0.0).to(tl.float32)
+        tl.store(vo + (t * H + h)[:, None] * V + vcols[None, :], _act(x, vmask, VACT).to(vo.dtype.element_ty),
+                 mask=vmask)
+    else:
+        _gate_features(lg1, wg1, bg1, o1, t, tm, offs, SG1, RG, rows, mask, cm, inv_norm, BRG, F32)
 
 
 DECODE_TOKENS_PER_PROGRAM = 16  # the smallest tile of tl.dot
@@ -372,12 +414,13 @@ def sse_decode_features_triton(q, k, v, low, up, *, lora_side: str, q_activation
     outs = [torch.empty(q.shape, device=q.device, dtype=q.dtype) for _ in range(6)]
     v_out = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     BT = DECODE_TOKENS_PER_PROGRAM
-    _decode_features_fwd[(triton.cdiv(M, BT), H)](
+    _decode_features_fwd[(triton.cdiv(M, BT), H, 4)](
         q, k, v, lq, lk, lg0, lg1, wq, wk, wg0, bg0, wg1, bg1, *outs, v_out,
         M, H, K, V, RQ, RG, sq, sk, sv, slq, slk, sg0, sg1, 1.0 / normalizer,
         LORA_SHARED=lora_side == "shared", QACT=ACTIVATIONS.index(q_activation),
         KACT=ACTIVATIONS.index(k_activation), VACT=ACTIVATIONS.index(v_activation), BT=BT,
         BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
-        BRQ=max(16, triton.next_power_of_2(RQ)), BRG=max(16, triton.next_power_of_2(RG)), num_warps=4)
+        BRQ=max(16, triton.next_power_of_2(RQ)), BRG=max(16, triton.next_power_of_2(RG)),
+        F32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
     q0, q1, k0, k1, g0, g1 = outs
     return q0, k0, g0, q1, k1, g1, v_out

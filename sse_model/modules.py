@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops.dispatch import rms_norm
+from .ops.dispatch import rms_norm, silu_mul
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -121,10 +121,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # a concatenated copy of these weights would be kept for every block's backward
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = project(x, *self.input_projections())
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(*project(x, *self.input_projections())))
 
 
 class ShortConvolution(nn.Conv1d):

@@ -354,6 +354,22 @@ def test_sse_features_kernel_reads_column_slices():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,D", [(5, 96), (300, 1500)])  # one row per program; several, and column blocks
+def test_silu_mul_kernel_reads_column_slices(dtype, rows, D):
+    """The SwiGLU activation of generation from the packed gate/up product's two halves, read in place."""
+    from kernels.fused import silu_mul_triton
+    from sse_model.ops.fused import silu_mul
+
+    gate_up = torch.randn(rows, 2 * D)
+    ref = silu_mul(*gate_up.double().split(D, dim=-1))
+    with torch.no_grad():
+        out = silu_mul_triton(*gate_up.to(DEVICE, dtype).split(D, dim=-1))
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert_close(out.float().cpu(), ref, dtype, "silu(gate) * up")
+    assert silu_mul_triton(gate_up.requires_grad_(), gate_up) is None  # training keeps PyTorch's (autograd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_act,k_act,v_act,lora_side", [("silu", "softmax", "silu", "sparse"),
                                                          ("identity", "silu", "identity", "shared")])
 @pytest.mark.parametrize("rows", [5, 37])  # one program per head, and three (the last one short)

@@ -80,8 +80,10 @@ class LinearAttention(nn.Module):
         return (1 - 2.0 ** (-5 - torch.arange(self.num_heads, dtype=torch.float32))).log()
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
-        """What reads the layer's input in one product: q, k, v and GLA's narrow low-rank gate."""
-        return self.q_proj, self.k_proj, self.v_proj, *([self.gk_proj[0]] if self.kind == "gla" else [])
+        """What reads the layer's input in one product: q, k, v, GLA's narrow low-rank decay and the output
+        gate. (The gate reads the input with padding zeroed, which changes only padded tokens' outputs.)"""
+        low_gate = [self.gk_proj[0]] if self.kind == "gla" else []
+        return self.q_proj, self.k_proj, self.v_proj, *low_gate, *([self.g_proj] if hasattr(self, "g_proj") else [])
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext):
         cfg = self.config
@@ -92,6 +94,7 @@ class LinearAttention(nn.Module):
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
         q_raw, k_raw, v_raw, *low = project(x, *self.input_projections())
+        gate = low.pop() if hasattr(self, "g_proj") else None
         q_raw, k_raw = zero_padding(q_raw, ctx.token_mask), zero_padding(k_raw, ctx.token_mask)
         conv_out = None
         if cfg.use_short_conv:
@@ -125,7 +128,7 @@ class LinearAttention(nn.Module):
             o = linear_decode(self.transition, *pool, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                               None if beta is None else beta[:, 0])[:, None]
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
-            return output_projection(self, o.to(hidden_states.dtype), hidden_states), None
+            return output_projection(self, o.to(hidden_states.dtype), gate), None
         o, recurrent = linear_attention(
             self.transition, q, k, v, g, beta,
             mode=cfg.linear_mode, chunk_size=cfg.chunk_size,
@@ -135,15 +138,12 @@ class LinearAttention(nn.Module):
         )
         if state is not None:
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
-        return output_projection(self, o.to(hidden_states.dtype), hidden_states), None
+        return output_projection(self, o.to(hidden_states.dtype), gate), None
 
 
-def output_projection(layer: nn.Module, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Per-head output norm (gated by ``g_proj`` when the layer has one), then ``o_proj``."""
+def output_projection(layer: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """Per-head output norm, gated by ``gate`` (``g_proj``'s output, ``[B, T, H * V]``) when the layer has an
+    output gate, then ``o_proj``."""
     B, T = o.shape[:2]
-    if hasattr(layer, "g_proj"):
-        gate = layer.g_proj(hidden_states).view(B, T, -1, o.shape[-1])
-        o = layer.o_norm(o, gate)
-    else:
-        o = layer.o_norm(o)
+    o = layer.o_norm(o) if gate is None else layer.o_norm(o, gate.view(B, T, -1, o.shape[-1]))
     return layer.o_proj(o.reshape(B, T, -1))

@@ -103,10 +103,13 @@ class SSEAttention(nn.Module):
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         """What reads the layer's input in one product: q, k, v and the narrow first halves of the low-rank
-        maps (the router stays a module call, so that hooks on ``e_proj`` see its logits)."""
+        maps, the output gate's last (the router stays a module call, so that hooks on ``e_proj`` see its
+        logits). The gate reads the input with padding zeroed, which changes only padded tokens' outputs."""
         narrow = [self.lora_q_proj[0], self.lora_k_proj[0]]
         if self.transition == "gla":
             narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
+        if hasattr(self, "g_proj"):
+            narrow.append(self.g_proj[0])
         return self.q_proj, self.k_proj, self.v_proj, *narrow
 
     def low_rank_outputs(self) -> tuple[nn.Linear, ...]:
@@ -124,6 +127,7 @@ class SSEAttention(nn.Module):
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
         q, k, v, *low = project(x, *self.input_projections())
+        gate = self.g_proj[1](low.pop()) if hasattr(self, "g_proj") else None
         q, k = zero_padding(q, mask), zero_padding(k, mask)
 
         def heads(t, d):
@@ -181,7 +185,7 @@ class SSEAttention(nn.Module):
             o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options)[:, None]
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
             # no balance loss: it is a training objective, and a decode step would spend a dozen launches on it
-            return output_projection(self, o.to(hidden_states.dtype), hidden_states), None
+            return output_projection(self, o.to(hidden_states.dtype), gate), None
         o, recurrent = sse_attention(
             shared, sparse, v, routing, self.options,
             implementation=cfg.sse_implementation,
@@ -193,7 +197,7 @@ class SSEAttention(nn.Module):
         )
         if state is not None:
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
-        out = output_projection(self, o.to(hidden_states.dtype), hidden_states)
+        out = output_projection(self, o.to(hidden_states.dtype), gate)
         return out, balance_loss(routing, mask)
 
     def _features(self, q_raw: torch.Tensor, k_raw: torch.Tensor):

@@ -54,8 +54,8 @@ class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
-    ``rms_norm``, ``sse_features`` and ``sse_decode_features`` the fused stages of :mod:`sse_model.ops.fused`
-    (None declines)."""
+    ``rms_norm``, ``silu_mul``, ``sse_features`` and ``sse_decode_features`` the fused stages of
+    :mod:`sse_model.ops.fused` (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -65,6 +65,7 @@ class Backend:
     linear_decode: Callable | None = None
     route: Callable | None = None
     rms_norm: Callable | None = None
+    silu_mul: Callable | None = None
     sse_features: Callable | None = None
     sse_decode_features: Callable | None = None
 
@@ -214,6 +215,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     return fused.rms_norm(x, weight, eps, gate, out_dtype)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation through the dispatch point; see :func:`sse_model.ops.fused.silu_mul`."""
+    backend = active_backend(gate)
+    if backend is not None and backend.silu_mul is not None:
+        out = backend.silu_mul(gate, up)
+        if out is not None:
+            return out
+    return fused.silu_mul(gate, up)
+
+
 def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options):
     """The SSE layer's feature prologue through the dispatch point; see :func:`sse_model.ops.fused.sse_features`."""
     backend = active_backend(q)
@@ -245,6 +256,7 @@ __all__ = [
     "register_backend",
     "rms_norm",
     "route_tokens",
+    "silu_mul",
     "select_linear_op",
     "sse_attention",
     "sse_decode",

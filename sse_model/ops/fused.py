@@ -26,6 +26,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     return y.to(dtype)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: the SwiGLU MLP's activation."""
+    return F.silu(gate) * up
+
+
 def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
     """q/k/v feature maps over the last (head) dim; softmax runs in float32."""
     if name == "identity":
