@@ -44,7 +44,8 @@ def test_greedy_matches_model_generate(model, tokenizer):
     engine = make_engine(model, tokenizer)
     groups = [m.input_projections() for m in engine.model.modules() if hasattr(m, "input_projections")]
     assert all(packed_weights(g) is not None for g in groups)
-    assert not any(packed_weights(m.input_projections()) for m in reference.modules() if hasattr(m, "input_projections"))
+    assert not any(packed_weights(m.input_projections()) for m in reference.modules()
+                   if hasattr(m, "input_projections"))
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]

@@ -383,7 +383,8 @@ class Engine:
             base = request.params.seed if request.params.seed is not None else self._rng.getrandbits(62)
             request.seqs = [_Sequence(request, i, slot, base + i, stamp=request.stamp)
                             for i, slot in enumerate(request.slots)]
-            tokens, logprobs = self._sample(logits[:, -1].expand(len(request.seqs), -1), request.seqs)
+            _, _, *sampling = self._step_inputs(request.seqs, [0] * len(request.slots), request.slots)
+            tokens, logprobs = self._sample(logits[:, -1].expand(len(request.seqs), -1), *sampling)
             for seq, token, logprob in zip(request.seqs, tokens, logprobs):
                 self._append(seq, token, logprob)
             done = self._collect(request.seqs)
@@ -414,10 +415,9 @@ class Engine:
         B = len(seqs)
         if not B:
             return []
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        ids, slots, *sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
         logits = self._forward_decode(ids, slots)
-        tokens, logprobs = self._sample(logits, seqs)
+        tokens, logprobs = self._sample(logits, *sampling)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             self._append(seq, token, logprob)
         self.stats.decode_steps += 1
@@ -434,18 +434,22 @@ class Engine:
             return out.logits[:, -1]
         return self._graph_decode(ids, slots)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]):
+    def _step_inputs(self, seqs: list[_Sequence], ids: list[int], slots: list[int]):
+        """``(ids, slots, temperature, top_p, top_k, seed, step, need_filter)`` of the rows of a step on the
+        device: two copies (one per dtype) from pinned memory, which the host issues without waiting for the GPU
+        (a copy from pageable memory would first wait for every kernel already queued, e.g. the forward)."""
         p = [s.request.params for s in seqs]
-        dev = logits.device
-        tokens, logprobs = sample(
-            logits,
-            torch.tensor([x.temperature for x in p], device=dev, dtype=torch.float32),
-            torch.tensor([x.top_p for x in p], device=dev, dtype=torch.float32),
-            torch.tensor([x.top_k for x in p], device=dev, dtype=torch.long),
-            torch.tensor([s.seed for s in seqs], device=dev, dtype=torch.long),
-            torch.tensor([len(s.token_ids) for s in seqs], device=dev, dtype=torch.long),
-            need_filter=any(x.top_p < 1 or x.top_k > 0 for x in p),
-        )
+        steps = [len(s.token_ids) for s in seqs]
+        ints = torch.tensor([ids, slots, [x.top_k for x in p], [s.seed for s in seqs], steps], dtype=torch.long)
+        floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p]], dtype=torch.float32)
+        if self.device.type == "cuda":
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints, floats = ints.to(self.device, non_blocking=True), floats.to(self.device, non_blocking=True)
+        need_filter = any(x.top_p < 1 or x.top_k > 0 for x in p)
+        return ints[0], ints[1], floats[0], floats[1], ints[2], ints[3], ints[4], need_filter
+
+    def _sample(self, logits: torch.Tensor, temperature, top_p, top_k, seed, step, need_filter: bool):
+        tokens, logprobs = sample(logits, temperature, top_p, top_k, seed, step, need_filter=need_filter)
         return tokens.tolist(), logprobs.tolist()
 
     def _append(self, seq: _Sequence, token: int, logprob: float) -> None:

@@ -333,7 +333,8 @@ def test_engine_decode_step_paged_equals_gather():
                 del os.environ["SSE_BACKEND"]
     errors = rel(logits["graph"], logits["gather"]), rel(logits["eager"], logits["gather"])
     RESULTS.append(("engine decode step: paged (graph / eager) vs gather", *errors))
-    RESULTS.append(("engine decode step: Triton backend (gather) vs PyTorch ops", rel(logits["gather"], logits["torch"]), 0.0))
+    RESULTS.append(("engine decode step: Triton backend (gather) vs PyTorch ops",
+                    rel(logits["gather"], logits["torch"]), 0.0))
     assert max(errors) < TOL[torch.bfloat16]
     assert rel(logits["gather"], logits["torch"]) < TOL[torch.bfloat16]  # the decode prologue, norms, routing, SSE step
 
