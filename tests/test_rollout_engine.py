@@ -203,6 +203,35 @@ def test_forked_samples_share_the_prompts_full_blocks(model, tokenizer):
     assert engine.cache.blocks.num_free == engine.num_blocks  # everything returned
 
 
+@pytest.mark.parametrize("num_blocks", [None, 2 * 96 // 8])  # blocks for all; for about two sequences
+def test_overlapped_steps_give_the_same_outputs(model, tokenizer, num_blocks):
+    """Each decode step queued before the host reads the previous one's tokens: the same tokens, log-probs and
+    finish reasons as steps one at a time, through stop tokens (rows computed once more and dropped),
+    max_tokens of 1 and 2, more samples than slots (admission between steps), forks and preemption."""
+    prompts = [f"Problem {i}: add {i} and {2 * i}." for i in range(7)]
+
+    def params(stop=None):
+        return [SamplingParams(n=1 + i % 3, temperature=0 if i % 2 else 1.0, seed=11 + i, logprobs=True,
+                               max_tokens=(1, 2, 40, 25, 33, 40, 17)[i], ignore_eos=True,
+                               stop_token_ids=[stop] if stop is not None and i in (3, 5) else None)
+                for i in range(7)]
+
+    free = make_engine(model, tokenizer, max_slots=6).generate(prompts, params())
+    stop = free[5].outputs[0].token_ids[36]  # late, once every request has been admitted
+    runs, computed = {}, {}
+    for overlap in (False, True):
+        engine = make_engine(model, tokenizer, max_slots=6, num_blocks=num_blocks, overlap=overlap)
+        runs[overlap] = [o for out in engine.generate(prompts, params(stop)) for o in out.outputs]
+        computed[overlap] = engine.stats.occupied_slot_steps
+        assert not engine.has_unfinished() and engine._launched is None
+        assert engine.cache.blocks.num_free == engine.num_blocks and len(engine.free_slots) == 6
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)  # preempted rows are recomputed by a prefill
+    assert sum(o.finish_reason == "stop" for o in runs[True]) >= 1
+    assert computed[True] > computed[False]  # rows of stopped sequences were computed once more, then dropped
+
+
 def test_preempted_sequences_resume_exactly(model, tokenizer):
     """With KV blocks for about two sequences, eight grow past what fits: the newest are preempted, recomputed
     later, and every output equals the unconstrained engine's (greedy and seeded sampling)."""

@@ -92,6 +92,15 @@ class _Request:
     promised: int = 0  # free blocks promised to its forks
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A decode step queued on the GPU: its rows and their sampled tokens, not yet read by the host."""
+
+    seqs: list[_Sequence]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+
 @dataclass
 class EngineStats:
     generated_tokens: int = 0
@@ -136,7 +145,8 @@ class Engine:
     sequences a quarter of ``max_model_len`` long, besides one of full length) and, in the rest, the KV blocks
     of ``block_size`` tokens.
     ``num_blocks`` overrides what the budget holds. ``prefill_chunk_size`` is the number of prompt tokens
-    prefilled per engine step."""
+    prefilled per engine step. ``overlap`` (default: on CUDA) queues each decode step before the host has read
+    the previous one's tokens (see ``_decode``); outputs are the same either way."""
 
     def __init__(
         self,
@@ -152,6 +162,7 @@ class Engine:
         block_size: int = 256,
         num_blocks: int | None = None,
         use_cuda_graphs: bool | None = None,
+        overlap: bool | None = None,
         seed: int = 0,
     ):
         if isinstance(model, (str, Path)):
@@ -194,6 +205,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.overlap = device.type == "cuda" if overlap is None else overlap
+        self._launched: _Launched | None = None  # the next decode step, queued before the host read this one
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._graph_pool = None  # one memory pool for every captured graph: the largest bucket's, not their sum
 
@@ -274,6 +287,8 @@ class Engine:
         """Frees the state pools and CUDA graphs (e.g. while a colocated trainer updates the weights)."""
         if self.has_unfinished():
             raise RuntimeError("sleep while requests are in flight")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a dropped queued step may still read the cache and graphs
         self.cache = None
         self._graphs.clear()
         self._graph_pool = None
@@ -384,7 +399,9 @@ class Engine:
             request.seqs = [_Sequence(request, i, slot, base + i, stamp=request.stamp)
                             for i, slot in enumerate(request.slots)]
             _, _, *sampling = self._step_inputs(request.seqs, [0] * len(request.slots), request.slots)
-            tokens, logprobs = self._sample(logits[:, -1].expand(len(request.seqs), -1), *sampling)
+            tokens, logprobs = sample(logits[:, -1].expand(len(request.seqs), -1), *sampling[:-1],
+                                      need_filter=sampling[-1])
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
             for seq, token, logprob in zip(request.seqs, tokens, logprobs):
                 self._append(seq, token, logprob)
             done = self._collect(request.seqs)
@@ -403,29 +420,70 @@ class Engine:
             except MemoryError:
                 self._preempt_newest()
                 continue
-            longest = self._blocks_for(max(lengths))
-            self.cache.view_blocks = min(_power_of_two(longest), self.cache.max_blocks_per_slot)
+            self._view(max(lengths))
             return
+
+    def _view(self, longest: int) -> None:
+        """KV blocks the attention of a step reads per row (the gather path; the paged kernel reads lengths)."""
+        self.cache.view_blocks = min(_power_of_two(self._blocks_for(longest)), self.cache.max_blocks_per_slot)
 
     @torch.no_grad()
     def _decode(self) -> list[RequestOutput]:
+        """One decode step of the running sequences. With ``overlap``, while nothing waits to be admitted or
+        prefilled, the next step is queued from this step's tokens still on the GPU before the host reads them:
+        the host's bookkeeping (stop checks, the next inputs) then runs while the GPU computes, not between
+        steps. A row whose sequence turns out to have stopped (a stop token) is computed once more and dropped."""
         start = time.perf_counter()
-        self._grow_running()
-        seqs = self.running
-        B = len(seqs)
-        if not B:
+        step = self._launched or self._launch()
+        self._launched = None
+        if step is None:
             return []
-        ids, slots, *sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
-        logits = self._forward_decode(ids, slots)
-        tokens, logprobs = self._sample(logits, *sampling)
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            self._append(seq, token, logprob)
-        self.stats.decode_steps += 1
-        self.stats.occupied_slot_steps += B
-        self.running = [s for s in seqs if s.finish_reason is None]
-        done = self._collect(seqs)
+        if self.overlap and not (self.waiting or self.resuming or self.prefilling):
+            self._launched = self._launch_after(step)
+        done = self._land(step)
+        if self._launched is not None and all(s.finish_reason is not None for s in self._launched.seqs):
+            self._launched = None  # every row stopped: nothing to read
         self.stats.decode_seconds += time.perf_counter() - start
         return done
+
+    def _launch(self) -> _Launched | None:
+        """Queues a decode step of every running sequence from its last token (preempting where blocks lack)."""
+        self._grow_running()
+        seqs = list(self.running)
+        if not seqs:
+            return None
+        ids, slots, *sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
+        return _Launched(seqs, *sample(self._forward_decode(ids, slots), *sampling[:-1], need_filter=sampling[-1]))
+
+    def _launch_after(self, step: _Launched) -> _Launched | None:
+        """Queues the step after ``step`` (not yet read) from its tokens on the GPU, for its rows that surely
+        continue: not stopped so far, room for two more tokens (``max_tokens``, ``max_model_len``) and the KV
+        blocks for them free. None when no row qualifies or blocks lack (the next step then runs unqueued)."""
+        rows = [i for i, s in enumerate(step.seqs) if s.finish_reason is None and
+                len(s.token_ids) + 2 <= s.request.params.max_tokens and s.cached_length + 2 < self.max_model_len]
+        if not rows:
+            return None
+        seqs = [step.seqs[i] for i in rows]
+        try:
+            self.cache.grow([s.slot for s in seqs], [s.cached_length + 2 for s in seqs], keep_free=self.promised_blocks)
+        except MemoryError:
+            return None
+        self._view(max(s.cached_length + 2 for s in seqs))
+        picked, slots, *sampling = self._step_inputs(seqs, rows, [s.slot for s in seqs], ahead=1)
+        ids = step.tokens if len(rows) == len(step.seqs) else step.tokens[picked]
+        return _Launched(seqs, *sample(self._forward_decode(ids, slots), *sampling[:-1], need_filter=sampling[-1]))
+
+    def _land(self, step: _Launched) -> list[RequestOutput]:
+        """Reads a queued step's tokens (waiting for the GPU) into its sequences; rows of sequences that stopped
+        since it was queued are dropped."""
+        tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
+        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+            if seq.finish_reason is None:
+                self._append(seq, token, logprob)
+        self.stats.decode_steps += 1
+        self.stats.occupied_slot_steps += len(step.seqs)
+        self.running = [s for s in self.running if s.finish_reason is None]
+        return self._collect(step.seqs)
 
     def _forward_decode(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if not self.use_cuda_graphs:
@@ -434,12 +492,13 @@ class Engine:
             return out.logits[:, -1]
         return self._graph_decode(ids, slots)
 
-    def _step_inputs(self, seqs: list[_Sequence], ids: list[int], slots: list[int]):
+    def _step_inputs(self, seqs: list[_Sequence], ids: list[int], slots: list[int], ahead: int = 0):
         """``(ids, slots, temperature, top_p, top_k, seed, step, need_filter)`` of the rows of a step on the
-        device: two copies (one per dtype) from pinned memory, which the host issues without waiting for the GPU
-        (a copy from pageable memory would first wait for every kernel already queued, e.g. the forward)."""
+        device (``ahead``: tokens sampled but not yet read): two copies (one per dtype) from pinned memory, which
+        the host issues without waiting for the GPU (a copy from pageable memory would first wait for every
+        kernel already queued)."""
         p = [s.request.params for s in seqs]
-        steps = [len(s.token_ids) for s in seqs]
+        steps = [len(s.token_ids) + ahead for s in seqs]
         ints = torch.tensor([ids, slots, [x.top_k for x in p], [s.seed for s in seqs], steps], dtype=torch.long)
         floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p]], dtype=torch.float32)
         if self.device.type == "cuda":
@@ -448,9 +507,7 @@ class Engine:
         need_filter = any(x.top_p < 1 or x.top_k > 0 for x in p)
         return ints[0], ints[1], floats[0], floats[1], ints[2], ints[3], ints[4], need_filter
 
-    def _sample(self, logits: torch.Tensor, temperature, top_p, top_k, seed, step, need_filter: bool):
-        tokens, logprobs = sample(logits, temperature, top_p, top_k, seed, step, need_filter=need_filter)
-        return tokens.tolist(), logprobs.tolist()
+
 
     def _append(self, seq: _Sequence, token: int, logprob: float) -> None:
         params = seq.request.params
@@ -513,7 +570,7 @@ class Engine:
         static_ids[:B] = ids
         static_slots.fill_(self.scratch_slot)
         static_slots[:B] = slots
-        self.cache.lengths[self.scratch_slot] = 0
+        self.cache.lengths[self.scratch_slot:self.scratch_slot + 1].zero_()  # on the device: no wait for the GPU
         graph.replay()
         return static_logits[:B]
 
