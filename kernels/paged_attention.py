@@ -10,14 +10,18 @@ whose partial softmax states a second kernel merges (flash-decoding), so the who
 Layout, as :class:`sse_model.cache.SlotCache` keeps it: ``pool_k``/``pool_v`` ``[num_blocks + 1, H_kv, block_size,
 D]``; ``tables`` ``[B, max_blocks]``, each sequence's blocks in order; ``lengths`` ``[B]``, its tokens, the new
 one included. Lengths are read on the device: no host synchronisation, the launch can be captured in a CUDA graph.
-Tiles are multiplied in float32 (TF32 on the tensor cores: exact for bf16 keys and values, which fit its
-mantissa; the kernel is bound by reading the cache, not by the products).
+Tiles of bf16 keys and values are multiplied in bf16 with float32 accumulation, the probabilities rounded to bf16
+for the value product (as flash attention does): float32 operands doubled the registers a program holds and left
+the kernel at 1.4x its memory roofline at 8 x 32k; float32 caches (and Triton's interpreter, whose bf16 products
+are wrong) multiply in float32. Each program runs 8 warps (``python -m kernels.bench.bench_paged``).
 
 The engine's decode attention (:meth:`sse_model.cache.SlotCache.decode_attention`); ``python -m
 kernels.bench.bench_paged`` measures it against the gather path and the memory roofline.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,7 +33,7 @@ def _paged_decode_kernel(
     q, pool_k, pool_v, tables, lengths, o, part_m, part_l, scale, H,
     sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, F32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -43,7 +47,8 @@ def _paged_decode_kernel(
     heads = hk * GROUP + g
     group_mask = g < GROUP
     q_tile = tl.load(q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=group_mask[:, None], other=0.0)
-    q_tile = q_tile.to(tl.float32)
+    if F32:
+        q_tile = q_tile.to(tl.float32)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -52,15 +57,19 @@ def _paged_decode_kernel(
         valid = t < hi
         block = tl.load(tables + b * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = block[:, None] * sk_blk + hk * sk_h + (t % BLOCK_SIZE)[:, None] * sk_t + d[None, :]
-        k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT]
+        k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
+        if F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
+        if F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
         out = acc / l[:, None]
@@ -90,9 +99,9 @@ def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.
 
 
 def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per sequence so that about four programs per SM read the cache (1 when the batch alone does)."""
+    """Splits per sequence so that about eight programs per SM read the cache (1 when the batch alone does)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(16, -(-4 * sms // (batch * kv_heads))))
+    return max(1, min(16, -(-8 * sms // (batch * kv_heads))))
 
 
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
@@ -122,7 +131,8 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size, BT=tokens_per_step,
-        SPLITS=splits,
+        SPLITS=splits, F32=pool_k.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=8, num_stages=3,
     )
     if splits > 1:
         _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,

@@ -2,7 +2,9 @@
 
     python -m pipeline.rollout.profile_engine --preset sse-h-2b --sequences 256 --context 1024
 
-``--sequences`` rows (``--samples`` per prompt, prompts of ``--context`` tokens, random weights) are prefilled;
+``--sequences`` rows (``--samples`` per prompt, prompts of ``--context`` tokens, random weights) are prefilled
+(one sample per prompt by default: samples of one prompt share its KV blocks, which attention then reads largely
+from L2, so the step looks shorter than it is in a long rollout, where each sample's own tokens dominate);
 then at that length: an engine step as served (forward, sampling, bookkeeping), the forward alone (CUDA graph
 replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
 and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel
@@ -62,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="sse-h-2b")
     parser.add_argument("--sequences", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="kernels listed")
