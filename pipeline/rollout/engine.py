@@ -398,9 +398,8 @@ class Engine:
             base = request.params.seed if request.params.seed is not None else self._rng.getrandbits(62)
             request.seqs = [_Sequence(request, i, slot, base + i, stamp=request.stamp)
                             for i, slot in enumerate(request.slots)]
-            _, _, *sampling = self._step_inputs(request.seqs, [0] * len(request.slots), request.slots)
-            tokens, logprobs = sample(logits[:, -1].expand(len(request.seqs), -1), *sampling[:-1],
-                                      need_filter=sampling[-1])
+            _, _, sampling = self._step_inputs(request.seqs, [0] * len(request.slots), request.slots)
+            tokens, logprobs = sample(logits[:, -1].expand(len(request.seqs), -1), **sampling)
             tokens, logprobs = tokens.tolist(), logprobs.tolist()
             for seq, token, logprob in zip(request.seqs, tokens, logprobs):
                 self._append(seq, token, logprob)
@@ -452,8 +451,8 @@ class Engine:
         seqs = list(self.running)
         if not seqs:
             return None
-        ids, slots, *sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
-        return _Launched(seqs, *sample(self._forward_decode(ids, slots), *sampling[:-1], need_filter=sampling[-1]))
+        ids, slots, sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
+        return _Launched(seqs, *sample(self._forward_decode(ids, slots), **sampling))
 
     def _launch_after(self, step: _Launched) -> _Launched | None:
         """Queues the step after ``step`` (not yet read) from its tokens on the GPU, for its rows that surely
@@ -469,9 +468,9 @@ class Engine:
         except MemoryError:
             return None
         self._view(max(s.cached_length + 2 for s in seqs))
-        picked, slots, *sampling = self._step_inputs(seqs, rows, [s.slot for s in seqs], ahead=1)
+        picked, slots, sampling = self._step_inputs(seqs, rows, [s.slot for s in seqs], ahead=1)
         ids = step.tokens if len(rows) == len(step.seqs) else step.tokens[picked]
-        return _Launched(seqs, *sample(self._forward_decode(ids, slots), *sampling[:-1], need_filter=sampling[-1]))
+        return _Launched(seqs, *sample(self._forward_decode(ids, slots), **sampling))
 
     def _land(self, step: _Launched) -> list[RequestOutput]:
         """Reads a queued step's tokens (waiting for the GPU) into its sequences; rows of sequences that stopped
@@ -493,10 +492,10 @@ class Engine:
         return self._graph_decode(ids, slots)
 
     def _step_inputs(self, seqs: list[_Sequence], ids: list[int], slots: list[int], ahead: int = 0):
-        """``(ids, slots, temperature, top_p, top_k, seed, step, need_filter)`` of the rows of a step on the
-        device (``ahead``: tokens sampled but not yet read): two copies (one per dtype) from pinned memory, which
-        the host issues without waiting for the GPU (a copy from pageable memory would first wait for every
-        kernel already queued)."""
+        """``(ids, slots, sampling)`` of the rows of a step on the device, ``sampling`` the keyword arguments of
+        :func:`sample` (``ahead``: tokens sampled but not yet read): two copies (one per dtype) from pinned
+        memory, which the host issues without waiting for the GPU (a copy from pageable memory would first wait
+        for every kernel already queued)."""
         p = [s.request.params for s in seqs]
         steps = [len(s.token_ids) + ahead for s in seqs]
         ints = torch.tensor([ids, slots, [x.top_k for x in p], [s.seed for s in seqs], steps], dtype=torch.long)
@@ -504,10 +503,9 @@ class Engine:
         if self.device.type == "cuda":
             ints, floats = ints.pin_memory(), floats.pin_memory()
         ints, floats = ints.to(self.device, non_blocking=True), floats.to(self.device, non_blocking=True)
-        need_filter = any(x.top_p < 1 or x.top_k > 0 for x in p)
-        return ints[0], ints[1], floats[0], floats[1], ints[2], ints[3], ints[4], need_filter
-
-
+        sampling = dict(temperature=floats[0], top_p=floats[1], top_k=ints[2], seeds=ints[3], steps=ints[4],
+                        need_filter=any(x.top_p < 1 or x.top_k > 0 for x in p))
+        return ints[0], ints[1], sampling
 
     def _append(self, seq: _Sequence, token: int, logprob: float) -> None:
         params = seq.request.params
