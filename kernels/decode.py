@@ -184,7 +184,7 @@ def sse_decode_triton(pool, slots, shared: Branch, sparse: Branch, v, routing: R
     _check("routing.topk", routing.topk[:, :kmax], (B, kmax), pool.device)
     _check("routing.probs", routing.probs, (B, N), pool.device)
     scale = K**-0.5 if opts.scale is None else opts.scale
-    return _launch(pool, slots, shared, sparse, v, routing.topk[:, :kmax].to(torch.int32),
+    return _launch(pool, slots, shared, sparse, v, routing.topk[:, :kmax],  # any integer type: no cast to launch
                    routing.probs.float(), routing.num_writers, routing.num_readers, opts, scale, N)
 
 
