@@ -7,8 +7,8 @@
 from L2, so the step looks shorter than it is in a long rollout, where each sample's own tokens dominate);
 then at that length: an engine step as served (forward, sampling, bookkeeping), the forward alone (CUDA graph
 replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
-and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel
-(torch.profiler). Each timing is the median over ``--repeats`` runs.
+and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel and by
+the PyTorch operator that launched it (torch.profiler). Each timing is the median over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def median_ms(fn, repeats: int, reset=None) -> float:
     return statistics.median(times[2:])
 
 
-def kernel_table(fn, top: int) -> list[tuple[str, float, int]]:
-    """``(kernel name, GPU ms, launches)`` per call of ``fn``, largest first (torch.profiler, one call)."""
+def kernel_tables(fn, top: int) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
+    """One call of ``fn`` under torch.profiler: ``(kernel name, GPU ms, launches)`` per kernel and ``(operator, GPU
+    ms of the kernels it launched itself, calls)`` per PyTorch operator (which op a generic kernel serves; Triton
+    kernels launched from Python belong to none), largest first, each with an ``(all ...)`` total row."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     total: dict[str, float] = defaultdict(float)
@@ -56,8 +58,12 @@ def kernel_table(fn, top: int) -> list[tuple[str, float, int]]:
             total[event.name] += event.device_time_total / 1e3
             count[event.name] += 1
     rows = sorted(total.items(), key=lambda kv: -kv[1])
-    return [(name, ms, count[name]) for name, ms in rows[:top]] + \
+    kernels = [(name, ms, count[name]) for name, ms in rows[:top]] + \
         [("(all kernels)", sum(total.values()), sum(count.values()))]
+    ops = sorted(((a.key, a.self_device_time_total / 1e3, a.count) for a in prof.key_averages()
+                  if a.self_device_time_total > 0 and a.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda row: -row[1])
+    return kernels, ops[:top] + [("(all operators)", sum(ms for _, ms, _ in ops), sum(n for *_, n in ops))]
 
 
 def main() -> None:
@@ -106,7 +112,7 @@ def main() -> None:
         rows.append(("forward, eager, attention by gather + SDPA", median_ms(forward, args.repeats, restore)))
         engine.cache.paged_decode = True
         restore()
-        kernels_eager = kernel_table(forward, args.top)
+        kernels_eager, ops_eager = kernel_tables(forward, args.top)
         restore()
         logits = forward()
     # temperature 1, top-p 1, top-k off
@@ -130,10 +136,11 @@ def main() -> None:
     detail = " + ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
     print(f"| roofline of the forward ({detail} at {bandwidth / 1e12:.2f} TB/s) | {roofline:.2f} | "
           f"{roofline / step:.0%} | 1.00x |")
-    print("\n| kernel (eager forward) | GPU ms | launches | share |\n|---|---|---|---|")
-    all_ms = kernels_eager[-1][1]
-    for name, ms, n in kernels_eager:
-        print(f"| `{name[:90]}` | {ms:.3f} | {n} | {ms / all_ms:.0%} |")
+    for title, count, table in (("kernel", "launches", kernels_eager), ("PyTorch operator", "calls", ops_eager)):
+        print(f"\n| {title} (eager forward) | GPU ms | {count} | share |\n|---|---|---|---|")
+        all_ms = kernels_eager[-1][1]
+        for name, ms, n in table:
+            print(f"| `{name[:90]}` | {ms:.3f} | {n} | {ms / all_ms:.0%} |")
 
 
 if __name__ == "__main__":
