@@ -112,6 +112,7 @@ class EngineConfig:
     prefill_chunk_size: int = bounded(2048, ge=1)
     block_size: int = bounded(256, ge=1)  # tokens per KV block of the full-attention layers
     use_cuda_graphs: bool | None = None
+    overlap: bool | None = None  # queue each decode step before the host reads the last one's tokens; default: CUDA
     dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
 

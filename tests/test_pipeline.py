@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pipeline.metrics import read_metrics
+from pipeline.models import engine_options
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.stages.distill import run_distill
 
@@ -28,6 +29,8 @@ def test_recipes_validate_and_name_bad_keys(tmp_path):
     assert paper.distill.epochs == 5 and paper.eval.repeats == 32 and paper.eval.top_p == 0.7
     assert sorted(paper.eval.benchmarks) == ["aime24", "aime25", "amc23", "math500", "olympiadbench"]
     assert load_recipe("demo", ["grpo.steps=3"]).grpo.steps == 3
+    quiet = load_recipe("demo", ["grpo.engine.overlap=false"])
+    assert engine_options(quiet, quiet.grpo.engine, 512)["overlap"] is False  # reaches the engine's constructor
     gpu = load_recipe("gpu-100m")
     assert gpu.device == "cuda" and gpu.grpo.engine.dtype == "bfloat16" and gpu.grpo.engine.sleep is False
     assert gpu.eval.benchmarks == ["word_problems", "gsm8k"]
