@@ -16,6 +16,14 @@ hub-kernels library) while it initialises, and must find nothing here that impor
 """
 
 
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``): its bf16 ``tl.dot`` products are wrong,
+    so kernels that multiply bf16 tiles multiply float32 there."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def register() -> None:
     from .backend import register as _register
 

@@ -15,12 +15,12 @@ Both treat their inputs as rows of the last dim; rows must fit one tile (up to 1
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import interpreting
 from sse_model.ops.fused import ACTIVATIONS
 
 MAX_ROW = 16384
@@ -327,11 +327,12 @@ def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side
 
 @triton.jit
 def _low_rank_up(low, w, t, tm, S, R, rows, rmask, BR: tl.constexpr, F32: tl.constexpr):
-    """``low[t] @ w[rows]^T`` in float32 (``[BT, BR] x [BR, BK]``); ``low``'s tokens are ``S`` apart."""
+    """``low[t] @ w[rows]^T`` accumulated in float32 (``[BT, BR] x [BR, BK]``); ``low``'s tokens are ``S``
+    apart."""
     r = tl.arange(0, BR)
     a = tl.load(low + t[:, None] * S + r[None, :], mask=tm[:, None] & (r < R)[None, :], other=0.0)
     b = tl.load(w + rows[:, None].to(tl.int64) * R + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
-    if F32:  # float32 products in full precision (and how Triton's interpreter multiplies bf16 correctly)
+    if F32:  # float32 products in full precision (float32 inputs, and Triton's interpreter)
         return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
     return tl.dot(a, tl.trans(b))
 
@@ -421,6 +422,6 @@ def sse_decode_features_triton(q, k, v, low, up, *, lora_side: str, q_activation
         KACT=ACTIVATIONS.index(k_activation), VACT=ACTIVATIONS.index(v_activation), BT=BT,
         BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
         BRQ=max(16, triton.next_power_of_2(RQ)), BRG=max(16, triton.next_power_of_2(RG)),
-        F32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
+        F32=q.dtype == torch.float32 or interpreting(), num_warps=4)
     q0, q1, k0, k1, g0, g1 = outs
     return q0, k0, g0, q1, k1, g1, v_out

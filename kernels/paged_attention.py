@@ -21,12 +21,11 @@ kernels.bench.bench_paged`` measures it against the gather path and the memory r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels import interpreting
 
 @triton.jit
 def _paged_decode_kernel(
@@ -131,7 +130,7 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size, BT=tokens_per_step,
-        SPLITS=splits, F32=pool_k.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(),
         num_warps=8, num_stages=3,
     )
     if splits > 1:
