@@ -4,6 +4,7 @@
 - the gated delta rule (GDN mixers, SSE-GDN): fla's chunked kernels when fla is installed (its WY
   building blocks), else the PyTorch chunked ops;
 - decode and routing: :mod:`kernels.decode`, :mod:`kernels.routing`;
+- the matrix products of generation (few rows): :mod:`kernels.skinny`;
 - the fused elementwise stages (norms, the SwiGLU activation, the SSE feature prologue and its decode
   form): :mod:`kernels.fused`.
 """
@@ -58,6 +59,7 @@ def register() -> None:
     from .decode import linear_decode_triton, sse_decode_triton
     from .fused import rms_norm_triton, silu_mul_triton, sse_decode_features_triton, sse_features_triton
     from .routing import route_triton
+    from .skinny import skinny_linear_op
     from .sse_chunk import sse_chunk_triton
 
     register_backend(Backend(
@@ -72,4 +74,5 @@ def register() -> None:
         silu_mul=silu_mul_triton,
         sse_features=sse_features_triton,
         sse_decode_features=sse_decode_features_triton,
+        linear=skinny_linear_op,
     ))

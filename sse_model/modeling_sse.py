@@ -24,7 +24,7 @@ from .layers.attention import SoftmaxAttention
 from .layers.common import ForwardContext
 from .layers.linear import LinearAttention, init_gdn_decay
 from .layers.sse import SSEAttention
-from .modules import RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLUMLP, pack_linears
+from .modules import Linear, RMSNorm, RotaryEmbedding, ShortConvolution, SwiGLUMLP, pack_linears
 from .ops.checkpointing import KeptOutputs
 from .ops.varlen import check_cu_seqlens, cu_seqlens_from_position_ids
 
@@ -43,7 +43,8 @@ def build_mixer(config: SSEConfig, layer_idx: int) -> nn.Module:
 
 
 class SSEBlock(GradientCheckpointingLayer):
-    """Pre-norm block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``; each skip connection is added by the
+    output projection it follows (in one kernel when generating)."""
 
     def __init__(self, config: SSEConfig, layer_idx: int):
         super().__init__()
@@ -53,9 +54,8 @@ class SSEBlock(GradientCheckpointingLayer):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext):
-        mixed, aux_loss = self.attn(self.attn_norm(hidden_states), ctx)
-        hidden_states = hidden_states + mixed
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        hidden_states, aux_loss = self.attn(self.attn_norm(hidden_states), ctx, residual=hidden_states)
+        hidden_states = self.mlp(self.mlp_norm(hidden_states), residual=hidden_states)
         return hidden_states, aux_loss
 
 
@@ -237,7 +237,7 @@ class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
     def __init__(self, config: SSEConfig):
         super().__init__(config)
         self.model = SSEModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self):

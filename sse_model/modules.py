@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops.dispatch import rms_norm, silu_mul
+from .ops.dispatch import linear, rms_norm, silu_mul
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -15,6 +15,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if x.is_floating_point() and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and checkpoints) whose product goes through the dispatch point
+    (:func:`sse_model.ops.dispatch.linear`: a decode step's few rows on the GPU through :mod:`kernels.skinny`), and
+    that can add a ``residual`` to its output: the block's skip connection, in the product's epilogue when
+    generating."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, residual)
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +61,7 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
         packed = packed_weights(linears)
         if packed is None:
             return [m(x) for m in linears]
-        return list(F.linear(x, *packed).split(sizes, dim=-1))
+        return list(linear(x, *packed).split(sizes, dim=-1))
     weight = torch.cat([m.weight for m in linears])
     bias = None
     if any(m.bias is not None for m in linears):
@@ -111,18 +121,19 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"SwiGLU MLP supports hidden_act 'silu', got {hidden_act!r}")
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         """The maps that read the block's input: packed side by side for generation (:func:`pack_linears`)."""
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual + down(silu(gate(x)) * up(x))`` (``residual`` optional)."""
         if torch.is_grad_enabled():  # a concatenated copy of these weights would be kept for every block's backward
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(*project(x, *self.input_projections())))
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+        return self.down_proj(silu_mul(*project(x, *self.input_projections())), residual)
 
 
 class ShortConvolution(nn.Conv1d):

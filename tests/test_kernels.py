@@ -370,6 +370,37 @@ def test_silu_mul_kernel_reads_column_slices(dtype, rows, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,N,K", [(3, 40, 70), (16, 300, 130), (37, 20, 600)])  # K over several tiles
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+def test_skinny_linear_matches_reference(dtype, rows, N, K, bias, residual):
+    """Few-row products from a column slice of a wider tensor (as a packed product leaves it), with bias and the
+    residual added in the epilogue; N and K not multiples of the tiles."""
+    from kernels.skinny import skinny_linear
+
+    x = torch.randn(rows, 1, K + 9)[..., 5:K + 5]
+    w, b, r = torch.randn(N, K) / K**0.5, torch.randn(N), torch.randn(rows, 1, N)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0) + (r.double() if residual else 0)
+    dev = [t.to(DEVICE, dtype) for t in (x, w, b, r)]
+    out = skinny_linear(dev[0], dev[1], dev[2] if bias else None, dev[3] if residual else None)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert_close(out.float().cpu(), ref, dtype, "x @ w.T + b + r")
+
+
+def test_skinny_dispatch_serves_generation_only():
+    """The dispatch point sends few-row bf16 products without autograd to the kernel (equal to F.linear + residual
+    within bf16 rounding) and everything else to PyTorch: gradients, float32, too many rows."""
+    from kernels.skinny import SERVED_ROWS, skinny_linear_op
+
+    x, w, r = (torch.randn(4, 64).to(DEVICE, torch.bfloat16), torch.randn(48, 64).to(DEVICE, torch.bfloat16),
+               torch.randn(4, 48).to(DEVICE, torch.bfloat16))
+    out = skinny_linear_op(x, w, None, r)
+    assert_close(out.float().cpu(), (r.double() + x.double() @ w.double().T).cpu(), torch.bfloat16, "served")
+    assert skinny_linear_op(x.float(), w.float()) is None
+    assert skinny_linear_op(x.repeat(SERVED_ROWS, 1), w) is None
+    assert skinny_linear_op(x, w, None, r[:, :5]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_act,k_act,v_act,lora_side", [("silu", "softmax", "silu", "sparse"),
                                                          ("identity", "silu", "identity", "shared")])
 @pytest.mark.parametrize("rows", [5, 37])  # one program per head, and three (the last one short)

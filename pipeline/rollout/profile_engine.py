@@ -5,10 +5,11 @@
 ``--sequences`` rows (``--samples`` per prompt, prompts of ``--context`` tokens, random weights) are prefilled
 (one sample per prompt by default: samples of one prompt share its KV blocks, which attention then reads largely
 from L2, so the step looks shorter than it is in a long rollout, where each sample's own tokens dominate);
-then at that length: an engine step as served (forward, sampling, bookkeeping), the forward alone (CUDA graph
+then at that length: an engine step (forward, sampling, bookkeeping) synchronised and as served (steps back to
+back, the host's work overlapped), the forward alone (CUDA graph
 replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
 and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel and by
-the PyTorch operator that launched it (torch.profiler). Each timing is the median over ``--repeats`` runs.
+the PyTorch operator and the source line that launched it (torch.profiler). Each timing is the median over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -42,13 +43,38 @@ def median_ms(fn, repeats: int, reset=None) -> float:
     return statistics.median(times[2:])
 
 
-def kernel_tables(fn, top: int) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
-    """One call of ``fn`` under torch.profiler: ``(kernel name, GPU ms, launches)`` per kernel and ``(operator, GPU
+def served_ms(engine: Engine, steps: int) -> float:
+    """ms per engine step over ``steps`` steps issued back to back, the GPU synchronised only around them: what a
+    rollout sees, with the host's work overlapped with the GPU's where the engine overlaps it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+SOURCES = ("sse_model/", "kernels/", "pipeline/")
+
+
+def _source_line(event) -> str:
+    """The innermost Python frame of this project above a profiler event (``file(line): function``)."""
+    while event is not None:
+        for root in SOURCES:
+            if root in event.name and ".py(" in event.name:
+                return root + event.name.split(root, 1)[1]
+        event = event.cpu_parent
+    return "(outside the project)"
+
+
+def kernel_tables(fn, top: int):
+    """One call of ``fn`` under torch.profiler: ``(kernel name, GPU ms, launches)`` per kernel, ``(operator, GPU
     ms of the kernels it launched itself, calls)`` per PyTorch operator (which op a generic kernel serves; Triton
-    kernels launched from Python belong to none), largest first, each with an ``(all ...)`` total row."""
+    kernels launched from Python belong to none) and ``(source line, GPU ms, launches)`` per line of this project
+    that launched them (where the small kernels come from), largest first, each with an ``(all ...)`` total row."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         fn()
         torch.cuda.synchronize()
     total: dict[str, float] = defaultdict(float)
@@ -63,7 +89,15 @@ def kernel_tables(fn, top: int) -> tuple[list[tuple[str, float, int]], list[tupl
     ops = sorted(((a.key, a.self_device_time_total / 1e3, a.count) for a in prof.key_averages()
                   if a.self_device_time_total > 0 and a.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda row: -row[1])
-    return kernels, ops[:top] + [("(all operators)", sum(ms for _, ms, _ in ops), sum(n for *_, n in ops))]
+    by_line: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.self_device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CPU:
+            row = by_line[f"{_source_line(event)} {event.name}"]
+            row[0] += event.self_device_time_total / 1e3
+            row[1] += 1
+    lines = sorted(((k, ms, n) for k, (ms, n) in by_line.items()), key=lambda row: -row[1])
+    return (kernels, ops[:top] + [("(all operators)", sum(ms for _, ms, _ in ops), sum(n for *_, n in ops))],
+            lines[:2 * top] + [("(all lines)", sum(ms for _, ms, _ in lines), sum(n for *_, n in lines))])
 
 
 def main() -> None:
@@ -92,7 +126,8 @@ def main() -> None:
     print(f"{args.preset}: {B} sequences at {context} tokens prefilled in {time.perf_counter() - start:.1f} s; "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
 
-    rows = [("engine step, as served", median_ms(engine.step, args.repeats))]
+    rows = [("engine step, synchronised", median_ms(engine.step, args.repeats)),
+            ("engine step, as served (back to back)", served_ms(engine, args.repeats))]
     seqs = engine.running
     ids = torch.tensor([s.token_ids[-1] for s in seqs], device="cuda")
     slots = torch.tensor([s.slot for s in seqs], device="cuda")
@@ -112,7 +147,7 @@ def main() -> None:
         rows.append(("forward, eager, attention by gather + SDPA", median_ms(forward, args.repeats, restore)))
         engine.cache.paged_decode = True
         restore()
-        kernels_eager, ops_eager = kernel_tables(forward, args.top)
+        kernels_eager, ops_eager, lines_eager = kernel_tables(forward, args.top)
         restore()
         logits = forward()
     # temperature 1, top-p 1, top-k off
@@ -136,7 +171,8 @@ def main() -> None:
     detail = " + ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
     print(f"| roofline of the forward ({detail} at {bandwidth / 1e12:.2f} TB/s) | {roofline:.2f} | "
           f"{roofline / step:.0%} | 1.00x |")
-    for title, count, table in (("kernel", "launches", kernels_eager), ("PyTorch operator", "calls", ops_eager)):
+    for title, count, table in (("kernel", "launches", kernels_eager), ("PyTorch operator", "calls", ops_eager),
+                                ("source line and operator", "launches", lines_eager)):
         print(f"\n| {title} (eager forward) | GPU ms | {count} | share |\n|---|---|---|---|")
         all_ms = kernels_eager[-1][1]
         for name, ms, n in table:

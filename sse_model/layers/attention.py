@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..modules import RotaryEmbedding, project
+from ..modules import Linear, RotaryEmbedding, project
 from ..ops.attention import packed_causal_attention
 from .common import ForwardContext
 
@@ -28,10 +28,10 @@ class SoftmaxAttention(nn.Module):
         self.head_dim = config.attn_head_dim
         self.window = window
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.output_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=config.output_bias)
         self.rotary = RotaryEmbedding(self.head_dim, base=config.rope_theta, parameters=config.rope_parameters,
                                       max_position_embeddings=config.max_position_embeddings)
 
@@ -39,7 +39,9 @@ class SoftmaxAttention(nn.Module):
         """q, k and v: they read the layer's input in one product."""
         return self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, None]:
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """``(residual + output, None)``; ``residual`` (the block's skip connection) is optional."""
         B, T, _ = hidden_states.shape
         q, k, v = project(hidden_states, *self.input_projections())
         q = q.view(B, T, self.num_heads, self.head_dim)
@@ -54,7 +56,7 @@ class SoftmaxAttention(nn.Module):
         if o is None:
             o = self._attend(q, k, v, ctx)
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        return self.o_proj(o), None
+        return self.o_proj(o, residual), None
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``q [B, H, T, D]``, the new ``k, v [B, H_kv, T, D]`` -> ``[B, H, T, D]`` through SDPA."""

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import LinearLayerState
-from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, project
+from ..modules import GatedRMSNorm, Linear, RMSNorm, ShortConvolution, project
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
 from ..ops.dispatch import linear_attention, linear_decode
@@ -46,15 +46,15 @@ class LinearAttention(nn.Module):
         self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
         hidden = config.hidden_size
         bias = config.linear_qkv_bias
-        self.q_proj = nn.Linear(hidden, H * K, bias=bias)
-        self.k_proj = nn.Linear(hidden, H * K, bias=bias)
-        self.v_proj = nn.Linear(hidden, H * V, bias=bias)
+        self.q_proj = Linear(hidden, H * K, bias=bias)
+        self.k_proj = Linear(hidden, H * K, bias=bias)
+        self.v_proj = Linear(hidden, H * V, bias=bias)
         if kind == "gla":
             r = config.gate_low_rank_dim
-            self.gk_proj = nn.Sequential(nn.Linear(hidden, r, bias=False), nn.Linear(r, H * K, bias=True))
+            self.gk_proj = nn.Sequential(Linear(hidden, r, bias=False), Linear(r, H * K, bias=True))
         elif kind == "gdn":
-            self.a_proj = nn.Linear(hidden, H, bias=False)
-            self.b_proj = nn.Linear(hidden, H, bias=False)
+            self.a_proj = Linear(hidden, H, bias=False)
+            self.b_proj = Linear(hidden, H, bias=False)
             self.A_log = nn.Parameter(torch.zeros(H))
             self.dt_bias = nn.Parameter(torch.zeros(H))
             init_gdn_decay(self.A_log, self.dt_bias)
@@ -63,17 +63,17 @@ class LinearAttention(nn.Module):
         else:
             raise ValueError(f"unknown linear mixer {kind!r}")
         if config.sla_gates:
-            self.sla_q_proj = nn.Linear(H * K, H, bias=False)
-            self.sla_k_proj = nn.Linear(H * K, H, bias=False)
+            self.sla_q_proj = Linear(H * K, H, bias=False)
+            self.sla_k_proj = Linear(H * K, H, bias=False)
         if config.use_short_conv:
             self.q_conv1d = ShortConvolution(H * K, config.conv_size)
             self.k_conv1d = ShortConvolution(H * K, config.conv_size)
         if config.use_output_gate:
-            self.g_proj = nn.Linear(hidden, H * V, bias=False)
+            self.g_proj = Linear(hidden, H * V, bias=False)
             self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         else:
             self.o_norm = RMSNorm(V, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(H * V, hidden, bias=config.output_bias)
+        self.o_proj = Linear(H * V, hidden, bias=config.output_bias)
 
     def compute_log_decay(self) -> torch.Tensor:
         """RetNet's per-head decay ``gamma_h = 1 - 2^(-5-h)``, as a log."""
@@ -85,7 +85,8 @@ class LinearAttention(nn.Module):
         low_gate = [self.gk_proj[0]] if self.kind == "gla" else []
         return self.q_proj, self.k_proj, self.v_proj, *low_gate, *([self.g_proj] if hasattr(self, "g_proj") else [])
 
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext):
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None):
+        """``(residual + output, None)``; ``residual`` (the block's skip connection) is optional."""
         cfg = self.config
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
@@ -128,7 +129,7 @@ class LinearAttention(nn.Module):
             o = linear_decode(self.transition, *pool, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                               None if beta is None else beta[:, 0])[:, None]
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
-            return output_projection(self, o.to(hidden_states.dtype), gate), None
+            return output_projection(self, o.to(hidden_states.dtype), gate, residual), None
         o, recurrent = linear_attention(
             self.transition, q, k, v, g, beta,
             mode=cfg.linear_mode, chunk_size=cfg.chunk_size,
@@ -138,12 +139,13 @@ class LinearAttention(nn.Module):
         )
         if state is not None:
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
-        return output_projection(self, o.to(hidden_states.dtype), gate), None
+        return output_projection(self, o.to(hidden_states.dtype), gate, residual), None
 
 
-def output_projection(layer: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def output_projection(layer: nn.Module, o: torch.Tensor, gate: torch.Tensor | None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head output norm, gated by ``gate`` (``g_proj``'s output, ``[B, T, H * V]``) when the layer has an
-    output gate, then ``o_proj``."""
+    output gate, then ``o_proj`` (plus ``residual``, when given)."""
     B, T = o.shape[:2]
     o = layer.o_norm(o) if gate is None else layer.o_norm(o, gate.view(B, T, -1, o.shape[-1]))
-    return layer.o_proj(o.reshape(B, T, -1))
+    return layer.o_proj(o.reshape(B, T, -1), residual)

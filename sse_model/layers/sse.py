@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import LinearLayerState
-from ..modules import GatedRMSNorm, RMSNorm, ShortConvolution, project, row_topk_softmax
+from ..modules import GatedRMSNorm, Linear, RMSNorm, ShortConvolution, project, row_topk_softmax
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
 from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_decode_features, sse_features
@@ -62,32 +62,32 @@ class SSEAttention(nn.Module):
         rank = config.resolved_lora_rank()
 
         bias = config.linear_qkv_bias
-        self.q_proj = nn.Linear(hidden, H * K, bias=bias)
-        self.k_proj = nn.Linear(hidden, H * K, bias=bias)
-        self.v_proj = nn.Linear(hidden, H * V, bias=bias)
-        self.lora_q_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, H * K, bias=False))
-        self.lora_k_proj = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, H * K, bias=False))
+        self.q_proj = Linear(hidden, H * K, bias=bias)
+        self.k_proj = Linear(hidden, H * K, bias=bias)
+        self.v_proj = Linear(hidden, H * V, bias=bias)
+        self.lora_q_proj = nn.Sequential(Linear(hidden, rank, bias=False), Linear(rank, H * K, bias=False))
+        self.lora_k_proj = nn.Sequential(Linear(hidden, rank, bias=False), Linear(rank, H * K, bias=False))
         if self.transition == "gla":
             r = config.gate_low_rank_dim
             self.gk_proj = nn.ModuleList(
-                nn.Sequential(nn.Linear(hidden, r, bias=False), nn.Linear(r, H * K, bias=True)) for _ in range(2)
+                nn.Sequential(Linear(hidden, r, bias=False), Linear(r, H * K, bias=True)) for _ in range(2)
             )
         else:
-            self.a_proj = nn.Linear(hidden, 2 * H, bias=False)
-            self.b_proj = nn.Linear(hidden, 2 * H, bias=False)
+            self.a_proj = Linear(hidden, 2 * H, bias=False)
+            self.b_proj = Linear(hidden, 2 * H, bias=False)
             self.A_log = nn.Parameter(torch.zeros(2 * H))
             self.dt_bias = nn.Parameter(torch.zeros(2 * H))
             init_gdn_decay(self.A_log, self.dt_bias)
-        self.e_proj = nn.Linear(hidden, self.num_sparse_partitions, bias=False)
+        self.e_proj = Linear(hidden, self.num_sparse_partitions, bias=False)
         if config.use_short_conv:
             self.q_conv1d_shared = ShortConvolution(H * K, config.conv_size)
             self.k_conv1d_shared = ShortConvolution(H * K, config.conv_size)
         if config.use_output_gate:
-            self.g_proj = nn.Sequential(nn.Linear(hidden, V, bias=False), nn.Linear(V, H * V, bias=False))
+            self.g_proj = nn.Sequential(Linear(hidden, V, bias=False), Linear(V, H * V, bias=False))
             self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         else:
             self.o_norm = RMSNorm(V, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(H * V, hidden, bias=config.output_bias)
+        self.o_proj = Linear(H * V, hidden, bias=config.output_bias)
 
         # the fused feature prologue covers the reference layer's computation (GLA, all rows, no convolution)
         self.fused_features = (self.transition == "gla" and not config.use_short_conv
@@ -117,7 +117,9 @@ class SSEAttention(nn.Module):
         gates = (self.gk_proj[0][1], self.gk_proj[1][1]) if self.transition == "gla" else ()
         return self.lora_q_proj[1], self.lora_k_proj[1], *gates
 
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(residual + output, balance loss)``; ``residual`` (the block's skip connection) is optional."""
         cfg = self.config
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
@@ -185,7 +187,7 @@ class SSEAttention(nn.Module):
             o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options)[:, None]
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
             # no balance loss: it is a training objective, and a decode step would spend a dozen launches on it
-            return output_projection(self, o.to(hidden_states.dtype), gate), None
+            return output_projection(self, o.to(hidden_states.dtype), gate, residual), None
         o, recurrent = sse_attention(
             shared, sparse, v, routing, self.options,
             implementation=cfg.sse_implementation,
@@ -197,7 +199,7 @@ class SSEAttention(nn.Module):
         )
         if state is not None:
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
-        out = output_projection(self, o.to(hidden_states.dtype), gate)
+        out = output_projection(self, o.to(hidden_states.dtype), gate, residual)
         return out, balance_loss(routing, mask)
 
     def _features(self, q_raw: torch.Tensor, k_raw: torch.Tensor):

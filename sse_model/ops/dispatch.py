@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from . import fused
 from .delta_rule import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
@@ -55,7 +56,7 @@ class Backend:
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
     ``rms_norm``, ``silu_mul``, ``sse_features`` and ``sse_decode_features`` the fused stages of
-    :mod:`sse_model.ops.fused` (None declines)."""
+    :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -68,6 +69,7 @@ class Backend:
     silu_mul: Callable | None = None
     sse_features: Callable | None = None
     sse_decode_features: Callable | None = None
+    linear: Callable | None = None
 
 
 _BACKENDS: list[Backend] = []
@@ -215,6 +217,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     return fused.rms_norm(x, weight, eps, gate, out_dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + x @ weight^T + bias`` (``residual``, ``bias`` optional). Without autograd (generation) a backend
+    may take the product: a decode step's few rows through :mod:`kernels.skinny`, the residual added in its
+    epilogue instead of by a separate kernel."""
+    if not torch.is_grad_enabled():
+        backend = active_backend(x)
+        if backend is not None and backend.linear is not None:
+            out = backend.linear(x, weight, bias, residual)
+            if out is not None:
+                return out
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The SwiGLU activation through the dispatch point; see :func:`sse_model.ops.fused.silu_mul`."""
     backend = active_backend(gate)
@@ -251,6 +268,7 @@ __all__ = [
     "SSE_IMPLEMENTATIONS",
     "active_backend",
     "choose_sse_implementation",
+    "linear",
     "linear_attention",
     "linear_decode",
     "register_backend",
