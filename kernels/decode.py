@@ -115,7 +115,7 @@ def _sse_decode_kernel(
                 if L2NORM:
                     q_r = _l2norm(q_r, eps)
                 out += tl.sum((q_r * scale)[:, None] * S, axis=0)
-    tl.store(o + bh * V + offs_v, out, mask=mask_v)
+    tl.store(o + bh * V + offs_v, out.to(o.dtype.element_ty), mask=mask_v)
 
 
 def _check(name, x, shape, device):
@@ -132,7 +132,7 @@ def _block_v(V: int) -> int:
 
 
 def _launch(pool, slots, shared: Branch, sparse: Branch | None, v, topk, probs, num_writers, num_readers,
-            opts: SSEOptions, scale: float, num_sparse_partitions: int):
+            opts: SSEOptions, scale: float, num_sparse_partitions: int, out_dtype: torch.dtype | None = None):
     B, H, V = v.shape
     K = shared.q.shape[-1]
     device = pool.device
@@ -159,7 +159,7 @@ def _launch(pool, slots, shared: Branch, sparse: Branch | None, v, topk, probs, 
     dummy = v
     contiguous = [dummy if x is None else x for x in contiguous]
     sparse_args = [dummy if x is None else x for x in sparse_args]
-    o = torch.empty(B, H, V, device=device, dtype=torch.float32)
+    o = torch.empty(B, H, V, device=device, dtype=out_dtype or torch.float32)
     BV = _block_v(V)
     kmax = 0 if topk is None else topk.shape[1]
     grid = (B, H, triton.cdiv(V, BV))
@@ -176,8 +176,9 @@ def _launch(pool, slots, shared: Branch, sparse: Branch | None, v, topk, probs, 
 
 
 def sse_decode_triton(pool, slots, shared: Branch, sparse: Branch, v, routing: Routing,
-                      opts: SSEOptions) -> torch.Tensor:
-    """Drop-in for :func:`sse_model.ops.sse.sse_decode_step` (same arguments, same in-place update)."""
+                      opts: SSEOptions, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Drop-in for :func:`sse_model.ops.sse.sse_decode_step` (same arguments, same in-place update); the output in
+    ``out_dtype`` (default float32)."""
     B, H, K = shared.q.shape
     N = routing.num_sparse_partitions
     kmax = max(routing.num_writers, routing.num_readers)
@@ -185,7 +186,7 @@ def sse_decode_triton(pool, slots, shared: Branch, sparse: Branch, v, routing: R
     _check("routing.probs", routing.probs, (B, N), pool.device)
     scale = K**-0.5 if opts.scale is None else opts.scale
     return _launch(pool, slots, shared, sparse, v, routing.topk[:, :kmax],  # any integer type: no cast to launch
-                   routing.probs.float(), routing.num_writers, routing.num_readers, opts, scale, N)
+                   routing.probs.float(), routing.num_writers, routing.num_readers, opts, scale, N, out_dtype)
 
 
 def linear_decode_triton(transition, pool, slots, q, k, v, g, beta=None, *, scale=None,

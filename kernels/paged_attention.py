@@ -29,15 +29,20 @@ from kernels import interpreting
 
 @triton.jit
 def _paged_decode_kernel(
-    q, pool_k, pool_v, tables, lengths, o, part_m, part_l, scale, H,
+    q, pool_k, pool_v, tables, lengths, slots, o, part_m, part_l, scale, H,
     sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr, F32: tl.constexpr,
+    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    n = tl.load(lengths + b)
+    if HAS_SLOTS:  # the engine's rows: lengths before this step's token, which is stored already
+        row = tl.load(slots + b).to(tl.int64)
+        n = tl.load(lengths + row) + 1
+    else:
+        row = b
+        n = tl.load(lengths + b)
     per = tl.cdiv(tl.cdiv(n, SPLITS), BT) * BT  # this split's tokens: [lo, hi), whole steps of BT
     lo = split * per
     hi = tl.minimum(lo + per, n)
@@ -54,7 +59,7 @@ def _paged_decode_kernel(
     for start in range(lo, hi, BT):
         t = start + tl.arange(0, BT)
         valid = t < hi
-        block = tl.load(tables + b * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        block = tl.load(tables + row * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = block[:, None] * sk_blk + hk * sk_h + (t % BLOCK_SIZE)[:, None] * sk_t + d[None, :]
         k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
         if F32:
@@ -105,11 +110,14 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
-                           tokens_per_step: int = 64, splits: int | None = None) -> torch.Tensor:
+                           tokens_per_step: int = 64, splits: int | None = None,
+                           slots: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` (>= 1) cached tokens. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
-    shapes, so a CUDA graph can capture it)."""
+    shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
+    of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
+    step, whose token :func:`rotary_store_decode` stored."""
     B, H, D = q.shape
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
@@ -126,14 +134,71 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         part_m = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
     _paged_decode_kernel[(B, H_kv, splits)](
-        q, pool_k, pool_v, tables, lengths, target, part_m, part_l, D ** -0.5 if scale is None else scale, H,
+        q, pool_k, pool_v, tables, lengths, lengths if slots is None else slots, target, part_m, part_l,
+        D ** -0.5 if scale is None else scale, H,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size, BT=tokens_per_step,
-        SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(),
+        SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(), HAS_SLOTS=slots is not None,
         num_warps=8, num_stages=3,
     )
     if splits > 1:
         _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,
                                        SP=triton.next_power_of_2(splits))
     return o
+
+
+@triton.jit
+def _rotary_store_kernel(q, k, v, positions, inv_freq, factor, pool_k, pool_v, tables, lengths, slots, q_out,
+                         H, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sp_b, sk_blk, sk_hd, sk_t, st_b,
+                         HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program (b, j): query head j < H rotated into ``q_out``; else KV head j - H: its key rotated and its value
+    stored at the row's next position in its block."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    angle = tl.load(positions + b * sp_b).to(tl.float32) * tl.load(inv_freq + d)
+    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    if j < H:
+        x = q + b * sq_b + j * sq_h
+        x1, x2 = tl.load(x + d).to(tl.float32), tl.load(x + HALF + d).to(tl.float32)
+        out = q_out + (b * H + j) * 2 * HALF
+        tl.store(out + d, (x1 * cos - x2 * sin).to(q_out.dtype.element_ty))
+        tl.store(out + HALF + d, (x2 * cos + x1 * sin).to(q_out.dtype.element_ty))
+    else:
+        h = j - H
+        row = tl.load(slots + b).to(tl.int64)
+        index = tl.load(lengths + row)
+        block = tl.load(tables + row * st_b + index // BLOCK_SIZE).to(tl.int64)
+        dest = block * sk_blk + h * sk_hd + (index % BLOCK_SIZE) * sk_t
+        x = k + b * sk_b + h * sk_h
+        x1, x2 = tl.load(x + d).to(tl.float32), tl.load(x + HALF + d).to(tl.float32)
+        tl.store(pool_k + dest + d, (x1 * cos - x2 * sin).to(pool_k.dtype.element_ty))
+        tl.store(pool_k + dest + HALF + d, (x2 * cos + x1 * sin).to(pool_k.dtype.element_ty))
+        y = v + b * sv_b + h * sv_h
+        tl.store(pool_v + dest + d, tl.load(y + d).to(pool_v.dtype.element_ty))
+        tl.store(pool_v + dest + HALF + d, tl.load(y + HALF + d).to(pool_v.dtype.element_ty))
+
+
+def rotary_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        inv_freq: torch.Tensor, factor: float, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                        tables: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention prologue in one launch: RoPE (rotate-half, as
+    :class:`sse_model.modules.RotaryEmbedding`, in float32) on ``q [B, H, D]`` and ``k [B, H_kv, D]`` at
+    ``positions [B]``, and the rotated key and ``v`` stored at position ``lengths[slots[b]]`` of row ``slots[b]``'s
+    blocks (``tables``, pools ``[blocks, H_kv, block_size, D]``). Returns the rotated queries ``[B, H, D]`` in the
+    pool's dtype. ``q, k, v`` may be column slices of one product (each head's ``D`` values contiguous)."""
+    B, H, D = q.shape
+    H_kv = k.shape[1]
+    if D % 2 or (D // 2) & (D // 2 - 1) or tuple(k.shape) != (B, H_kv, D) or tuple(v.shape) != (B, H_kv, D):
+        raise ValueError(f"rotary_store_decode: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                         "(heads of one size, half of it a power of two)")
+    if any(t.stride(-1) != 1 for t in (q, k, v, pool_k)) or pool_k.stride() != pool_v.stride():
+        raise ValueError("rotary_store_decode: the head dimension must be contiguous")
+    q_out = torch.empty(B, H, D, device=q.device, dtype=pool_k.dtype)
+    _rotary_store_kernel[(B, H + H_kv)](
+        q, k, v, positions, inv_freq, float(factor), pool_k, pool_v, tables, lengths, slots, q_out,
+        H, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions.stride(0),
+        pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
+        HALF=D // 2, BLOCK_SIZE=pool_k.shape[2], num_warps=1)
+    return q_out

@@ -14,8 +14,9 @@ Protocol (``cache`` below is either):
     ``cache.write_linear(i, state)``    store its non-None parts back
     ``cache.linear_pool(i)``            ``(pool, slots)`` for in-place decode kernels, or None
     ``cache.attend(i, k, v)``           append keys/values; returns ``(keys, values, key_index, key_valid)``
-    ``cache.decode_attention(i, q, k, v)`` one new token per row: append k/v and return the attention output
-                                        read in place, or None where ``attend`` + SDPA serve
+    ``cache.decode_attention(i, q, k, v, rotary, positions)`` one new token per row, before RoPE: rotate q/k,
+                                        append k/v and return the attention output read in place, or None where
+                                        RoPE, ``attend`` and SDPA serve
     ``cache.advance(T)``                after the forward: T more tokens seen
 """
 
@@ -100,7 +101,7 @@ class SSEHybridCache:
         key_index = torch.arange(first, first + keys.shape[2], device=keys.device)[None]
         return keys, values, key_index, None
 
-    def decode_attention(self, layer_idx: int, queries, keys, values) -> None:
+    def decode_attention(self, layer_idx: int, queries, keys, values, rotary, positions) -> None:
         return None  # the batch's KV is contiguous already: attend + SDPA
 
     def advance(self, T: int) -> None:
@@ -386,21 +387,21 @@ class SlotCache:
         D = self.config.attn_head_dim
         return self.paged_decode and D >= 16 and D & (D - 1) == 0
 
-    def decode_attention(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """``queries [B, H, 1, D]``, ``keys, values [B, H_kv, 1, D]`` of a full layer: stores the keys and values
-        and returns ``[B, H, 1, D]``, each row's attention over its tokens (the new one included) read from its
-        blocks in place. None where :meth:`attend` serves: window layers, prefill chunks, not
-        :attr:`decode_in_place`."""
-        if not self.decode_in_place or self.windows[layer_idx] is not None or keys.shape[2] != 1:
+    def decode_attention(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         rotary, positions: torch.Tensor):
+        """``queries [B, H, D]``, ``keys, values [B, H_kv, D]`` of a full layer's decode step, before RoPE
+        (``rotary``: the layer's :class:`~sse_model.modules.RotaryEmbedding`, at ``positions [B]``): rotates them,
+        stores the key and value and returns ``[B, H, D]``, each row's attention over its tokens (the new one
+        included) read from its blocks in place: two launches, :func:`kernels.paged_attention.rotary_store_decode`
+        and the paged attention. None where :meth:`attend` serves: window layers, not :attr:`decode_in_place`."""
+        if not self.decode_in_place or self.windows[layer_idx] is not None:
             return None
-        from kernels.paged_attention import paged_decode_attention
+        from kernels.paged_attention import paged_decode_attention, rotary_store_decode
 
         pool_k, pool_v = self.keys[layer_idx], self.values[layer_idx]
-        start = self.lengths[self.slots]
-        table = self._store_blocks(layer_idx, keys.transpose(1, 2).to(pool_k.dtype),
-                                   values.transpose(1, 2).to(pool_v.dtype), start[:, None])
-        out = paged_decode_attention(queries[:, :, 0].to(pool_k.dtype), pool_k, pool_v, table, start + 1)
-        return out[:, :, None].to(queries.dtype)
+        q = rotary_store_decode(queries, keys, values, positions, rotary.inv_freq, rotary.attention_factor,
+                                pool_k, pool_v, self.tables, self.lengths, self.slots)
+        return paged_decode_attention(q, pool_k, pool_v, self.tables, self.lengths, slots=self.slots).to(queries.dtype)
 
     def _store_blocks(self, layer_idx: int, new_k: torch.Tensor, new_v: torch.Tensor, new_index: torch.Tensor):
         """Writes ``new_k/new_v [B, T, H_kv, D]`` at positions ``new_index [B, T]`` of the rows' blocks; returns

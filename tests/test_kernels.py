@@ -66,6 +66,11 @@ def test_sse_decode_kernel_matches_reference(case, dtype):
         untouched[row, 0] = False
         untouched[row, 1 + r.topk[b, :Kw]] = False
     assert torch.equal(got_pool.cpu()[untouched], pool[untouched]), "unselected partitions must be bit-identical"
+    # a decode step writes its output in the model's dtype (no cast after the kernel): the same values, rounded
+    again = decode.sse_decode_triton(pool.to(DEVICE), slots.to(DEVICE), to(shared, DEVICE), to(sparse, DEVICE),
+                                     v.to(DEVICE), r_dev, opts, out_dtype=torch.bfloat16)
+    assert again.dtype == torch.bfloat16
+    assert_close(again.float().cpu(), expected, torch.bfloat16, "output in bf16")
 
 
 @pytest.mark.parametrize("transition,l2", [("gla", False), ("gdn", False), ("gdn", True)])

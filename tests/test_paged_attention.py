@@ -41,6 +41,12 @@ def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim)
         got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, tokens_per_step=16, splits=splits)
         assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
+    # the engine's form: rows picked by slots, lengths counted before the step's (stored) token
+    order = torch.tensor([2, 0, 3, 1])
+    slots = torch.argsort(order)
+    got = paged_decode_attention(q, pool_k, pool_v, tables[order], (lengths - 1)[order], tokens_per_step=16,
+                                 slots=slots)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 
 def test_shapes_it_cannot_take_are_refused():
@@ -48,3 +54,35 @@ def test_shapes_it_cannot_take_are_refused():
     with pytest.raises(ValueError, match="3 query heads over 2 KV heads of size 24"):
         paged_decode_attention(torch.zeros(1, 3, 24), pool, pool, torch.zeros(1, 1, dtype=torch.long),
                                torch.ones(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rotary_store_equals_rope_then_store(dtype, atol):
+    """The decode prologue kernel against RotaryEmbedding + storing into the blocks: q/k/v as column slices of one
+    product, GQA, positions far into a long sequence (large angles), a RoPE factor, rows that are not slots 0..B-1."""
+    from kernels.paged_attention import rotary_store_decode
+    from sse_model.modules import RotaryEmbedding
+
+    torch.manual_seed(0)
+    B, H, H_kv, D, block_size, num_blocks = 3, 4, 2, 32, 8, 10
+    rotary = RotaryEmbedding(D, base=1e6)
+    rotary.attention_factor = 1.25
+    qkv = torch.randn(B, (H + 2 * H_kv) * D).to(dtype)
+    q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D, H_kv * D, H_kv * D], dim=-1))
+    slots = torch.tensor([4, 0, 2])
+    lengths = torch.tensor([9, 0, 3, 0, 30, 0])  # per slot: tokens before this step
+    positions = lengths[slots] + torch.tensor([0, 5000, 31000])  # RoPE positions need not be the cache index
+    tables = torch.full((6, 4), num_blocks, dtype=torch.long)
+    tables[4, :4], tables[0, :1], tables[2, :1] = torch.tensor([7, 1, 8, 3]), 5, 9
+    pool_k, pool_v = torch.zeros(num_blocks + 1, H_kv, block_size, D, dtype=dtype), \
+        torch.zeros(num_blocks + 1, H_kv, block_size, D, dtype=dtype)
+    got_q = rotary_store_decode(q, k, v, positions, rotary.inv_freq, rotary.attention_factor, pool_k, pool_v,
+                                tables, lengths, slots)
+    want_q, want_k = rotary(q[:, None].double(), k[:, None].double(), positions[:, None])
+    torch.testing.assert_close(got_q.double(), want_q[:, 0], atol=atol, rtol=atol)
+    for b, slot in enumerate(slots.tolist()):
+        index = int(lengths[slot])
+        block = int(tables[slot, index // block_size])
+        torch.testing.assert_close(pool_k[block, :, index % block_size].double(), want_k[b, 0], atol=atol, rtol=atol)
+        assert torch.equal(pool_v[block, :, index % block_size], v[b])
+    assert int((pool_k != 0).any(-1).sum()) == B * H_kv  # nothing else written

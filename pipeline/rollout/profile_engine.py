@@ -9,7 +9,8 @@ then at that length: an engine step (forward, sampling, bookkeeping) synchronise
 back, the host's work overlapped), the forward alone (CUDA graph
 replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
 and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel and by
-the PyTorch operator and the source line that launched it (torch.profiler). Each timing is the median over ``--repeats`` runs.
+the PyTorch operator that launched it (torch.profiler), and the operators' calls by the line of this project that
+called them. Each timing is the median over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -54,27 +55,42 @@ def served_ms(engine: Engine, steps: int) -> float:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-SOURCES = ("sse_model/", "kernels/", "pipeline/")
+def operator_lines(fn, top: int) -> list[tuple[str, int]]:
+    """``(source line and operator, calls)`` of the PyTorch operators ``fn`` runs, by the innermost line of this
+    project that called them (views left out: they launch nothing), most first; where the small kernels come from."""
+    import traceback
 
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-def _source_line(event) -> str:
-    """The innermost Python frame of this project above a profiler event (``file(line): function``)."""
-    while event is not None:
-        for root in SOURCES:
-            if root in event.name and ".py(" in event.name:
-                return root + event.name.split(root, 1)[1]
-        event = event.cpu_parent
-    return "(outside the project)"
+    counts: dict[str, int] = defaultdict(int)
+    roots = ("sse_model/", "kernels/", "pipeline/")
+
+    class Lines(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                frames = [f for f in traceback.extract_stack()
+                          if f.filename != __file__ and any(r in f.filename for r in roots)]
+                where = "(outside the project)"
+                if frames:
+                    name = frames[-1].filename
+                    root = next(r for r in roots if r in name)
+                    where = f"{root}{name.split(root, 1)[1]}:{frames[-1].lineno}"
+                counts[f"{where} {func}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Lines():
+        fn()
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])
+    return rows[:top] + [("(all operators)", sum(counts.values()))]
 
 
 def kernel_tables(fn, top: int):
-    """One call of ``fn`` under torch.profiler: ``(kernel name, GPU ms, launches)`` per kernel, ``(operator, GPU
+    """One call of ``fn`` under torch.profiler: ``(kernel name, GPU ms, launches)`` per kernel and ``(operator, GPU
     ms of the kernels it launched itself, calls)`` per PyTorch operator (which op a generic kernel serves; Triton
-    kernels launched from Python belong to none) and ``(source line, GPU ms, launches)`` per line of this project
-    that launched them (where the small kernels come from), largest first, each with an ``(all ...)`` total row."""
+    kernels launched from Python belong to none), largest first, each with an ``(all ...)`` total row."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     total: dict[str, float] = defaultdict(float)
@@ -89,15 +105,7 @@ def kernel_tables(fn, top: int):
     ops = sorted(((a.key, a.self_device_time_total / 1e3, a.count) for a in prof.key_averages()
                   if a.self_device_time_total > 0 and a.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda row: -row[1])
-    by_line: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.self_device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CPU:
-            row = by_line[f"{_source_line(event)} {event.name}"]
-            row[0] += event.self_device_time_total / 1e3
-            row[1] += 1
-    lines = sorted(((k, ms, n) for k, (ms, n) in by_line.items()), key=lambda row: -row[1])
-    return (kernels, ops[:top] + [("(all operators)", sum(ms for _, ms, _ in ops), sum(n for *_, n in ops))],
-            lines[:2 * top] + [("(all lines)", sum(ms for _, ms, _ in lines), sum(n for *_, n in lines))])
+    return kernels, ops[:top] + [("(all operators)", sum(ms for _, ms, _ in ops), sum(n for *_, n in ops))]
 
 
 def main() -> None:
@@ -147,7 +155,9 @@ def main() -> None:
         rows.append(("forward, eager, attention by gather + SDPA", median_ms(forward, args.repeats, restore)))
         engine.cache.paged_decode = True
         restore()
-        kernels_eager, ops_eager, lines_eager = kernel_tables(forward, args.top)
+        kernels_eager, ops_eager = kernel_tables(forward, args.top)
+        restore()
+        lines_eager = operator_lines(forward, 2 * args.top)
         restore()
         logits = forward()
     # temperature 1, top-p 1, top-k off
@@ -171,12 +181,14 @@ def main() -> None:
     detail = " + ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
     print(f"| roofline of the forward ({detail} at {bandwidth / 1e12:.2f} TB/s) | {roofline:.2f} | "
           f"{roofline / step:.0%} | 1.00x |")
-    for title, count, table in (("kernel", "launches", kernels_eager), ("PyTorch operator", "calls", ops_eager),
-                                ("source line and operator", "launches", lines_eager)):
+    for title, count, table in (("kernel", "launches", kernels_eager), ("PyTorch operator", "calls", ops_eager)):
         print(f"\n| {title} (eager forward) | GPU ms | {count} | share |\n|---|---|---|---|")
         all_ms = kernels_eager[-1][1]
         for name, ms, n in table:
             print(f"| `{name[:90]}` | {ms:.3f} | {n} | {ms / all_ms:.0%} |")
+    print("\n| source line: PyTorch operator (eager forward) | calls |\n|---|---|")
+    for name, n in lines_eager:
+        print(f"| `{name[:110]}` | {n} |")
 
 
 if __name__ == "__main__":

@@ -47,15 +47,14 @@ class SoftmaxAttention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, ctx.position_ids)
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-
         o = None
         if ctx.cache is not None and T == 1 and ctx.key_mask is None:  # a decode step: the cache may attend itself
-            o = ctx.cache.decode_attention(self.layer_idx, q, k, v)
+            o = ctx.cache.decode_attention(self.layer_idx, q[:, 0], k[:, 0], v[:, 0], self.rotary,
+                                           ctx.position_ids[:, 0].expand(B))
         if o is None:
-            o = self._attend(q, k, v, ctx)
-        o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+            q, k = self.rotary(q, k, ctx.position_ids)
+            o = self._attend(*(x.transpose(1, 2) for x in (q, k, v)), ctx).transpose(1, 2)
+        o = o.reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(o, residual), None
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -184,10 +184,11 @@ class SSEAttention(nn.Module):
         routing = route_tokens(self.e_proj(x), cfg.num_writers, cfg.num_readers)
         if pool is not None:  # one token per sequence, partitions updated in place
             token = Routing(routing.probs[:, 0], routing.topk[:, 0], routing.num_writers, routing.num_readers)
-            o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options)[:, None]
+            o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options,
+                           out_dtype=hidden_states.dtype)[:, None]
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
             # no balance loss: it is a training objective, and a decode step would spend a dozen launches on it
-            return output_projection(self, o.to(hidden_states.dtype), gate, residual), None
+            return output_projection(self, o, gate, residual), None
         o, recurrent = sse_attention(
             shared, sparse, v, routing, self.options,
             implementation=cfg.sse_implementation,

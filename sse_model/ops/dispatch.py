@@ -182,13 +182,16 @@ def route_tokens(router_logits: torch.Tensor, num_writers: int, num_readers: int
     return route(router_logits, num_writers, num_readers)
 
 
-def sse_decode(pool, slots, shared: Branch, sparse: Branch, v, routing: Routing, opts: SSEOptions) -> torch.Tensor:
+def sse_decode(pool, slots, shared: Branch, sparse: Branch, v, routing: Routing, opts: SSEOptions,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One SSE token per sequence, states updated in place in rows ``slots`` of ``pool``; see
-    :func:`~sse_model.ops.sse.sse_decode_step` for shapes."""
+    :func:`~sse_model.ops.sse.sse_decode_step` for shapes. The output is float32, or ``out_dtype`` (written so by
+    the kernel: no cast after it)."""
     backend = active_backend(v)
     if backend is not None and backend.sse_decode is not None:
-        return backend.sse_decode(pool, slots, shared, sparse, v, routing, opts)
-    return sse_decode_step(pool, slots, shared, sparse, v, routing, opts)
+        return backend.sse_decode(pool, slots, shared, sparse, v, routing, opts, out_dtype=out_dtype)
+    out = sse_decode_step(pool, slots, shared, sparse, v, routing, opts)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def linear_decode(transition, pool, slots, q, k, v, g, beta=None, *, scale=None, use_qk_l2norm=False) -> torch.Tensor:
