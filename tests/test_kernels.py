@@ -53,7 +53,7 @@ def test_sse_decode_kernel_matches_reference(case, dtype):
 
     expected_pool = pool.clone()
     expected = sse_decode_step(expected_pool, slots, shared, sparse, v, r, opts)
-    got_pool = pool.to(DEVICE)
+    got_pool = pool.clone().to(DEVICE)  # a copy on CPU too: the kernel updates it in place
     r_dev = type(r)(r.probs.to(DEVICE), r.topk.to(DEVICE), Kw, Kr)
     got = decode.sse_decode_triton(got_pool, slots.to(DEVICE), to(shared, DEVICE), to(sparse, DEVICE), v.to(DEVICE),
                                    r_dev, opts)
@@ -67,7 +67,7 @@ def test_sse_decode_kernel_matches_reference(case, dtype):
         untouched[row, 1 + r.topk[b, :Kw]] = False
     assert torch.equal(got_pool.cpu()[untouched], pool[untouched]), "unselected partitions must be bit-identical"
     # a decode step writes its output in the model's dtype (no cast after the kernel): the same values, rounded
-    again = decode.sse_decode_triton(pool.to(DEVICE), slots.to(DEVICE), to(shared, DEVICE), to(sparse, DEVICE),
+    again = decode.sse_decode_triton(pool.clone().to(DEVICE), slots.to(DEVICE), to(shared, DEVICE), to(sparse, DEVICE),
                                      v.to(DEVICE), r_dev, opts, out_dtype=torch.bfloat16)
     assert again.dtype == torch.bfloat16
     assert_close(again.float().cpu(), expected, torch.bfloat16, "output in bf16")
