@@ -414,6 +414,24 @@ def test_paged_decode_attention_real_sizes(kv_heads):
     assert rel(got, want) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_skinny_linear_real_sizes(rows):
+    """A decode step's products of sse-h-2b (``kernels/bench/bench_skinny.py``) against float32 products, the
+    residual in the epilogue."""
+    from kernels.bench.bench_skinny import SHAPES
+    from kernels.skinny import skinny_linear
+
+    worst = 0.0
+    for _, N, K, residual in SHAPES:
+        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+        r = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16) if residual else None
+        want = x.float() @ w.float().T + (r.float() if residual else 0)
+        worst = max(worst, rel(skinny_linear(x, w, residual=r), want))
+    RESULTS.append((f"skinny products, {rows} rows, every sse-h-2b shape vs float32", worst, 0.0))
+    assert worst < TOL[torch.bfloat16]
+
+
 def test_race_sample_real_sizes():
     """The one-pass sampler against the PyTorch sampler at GRPO's batch and Qwen's vocabulary (bf16 logits): the
     same token in every row whose race is not a float tie, the same log-probability."""
