@@ -268,13 +268,15 @@ def _token_rows(x: torch.Tensor, dims: int = 2) -> tuple[torch.Tensor, int]:
     """``x`` (``[..., H, K]``, or ``[..., r]`` with ``dims=1``) and the distance between its tokens, without a
     copy where each token's entries are contiguous and its tokens evenly spaced (a column slice of a wider
     projection's output)."""
-    inner, lead, strides = x.shape[-dims:], x.shape[:-dims], x.stride()[:-dims]
+    inner = x.shape[-dims:]
     width = math.prod(inner)
     expected = [math.prod(inner[i + 1:]) for i in range(dims)]
     dense = all(s == e or n == 1 for s, e, n in zip(x.stride()[-dims:], expected, inner))
-    even = all(strides[i] == strides[i + 1] * lead[i + 1] for i in range(len(lead) - 1) if lead[i] > 1)
+    # token dimensions of size 1 have no meaningful stride (a view gives them any): leave them out
+    lead = [(n, s) for n, s in zip(x.shape[:-dims], x.stride()[:-dims]) if n > 1]
+    even = all(s == s_next * n_next for (_, s), (n_next, s_next) in zip(lead, lead[1:]))
     if dense and even:
-        return x, (strides[-1] if lead else width)
+        return x, (lead[-1][1] if lead else width)
     return x.contiguous(), width
 
 

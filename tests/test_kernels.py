@@ -548,3 +548,21 @@ def test_count_ops_takes_the_kernel_path_and_restores_it():
     assert split(sse["forward"])[0] > split(attn["forward"])[0]
     assert isinstance(sse_chunk._fwd_h, triton.runtime.jit.KernelInterface)
     assert dispatch._BACKENDS == backends
+
+
+def test_token_rows_reads_column_slices_in_place():
+    """A decode step's q/k/v are column slices of one product, viewed as heads; a token dimension of size 1 gets any
+    stride from ``view`` (here H * K, not the product's width), which once made every decode step copy them."""
+    from kernels.fused import _token_rows
+
+    out = torch.randn(8, 1, 7200)
+    q = out[..., :2304].view(8, 1, 18, 128)
+    assert q.stride()[:2] == (7200, 2304)
+    for x, dims in ((q, 2), (out[..., 6912:6976], 1), (out[:, 0, :2304].view(8, 18, 128), 2)):
+        rows, stride = _token_rows(x, dims)
+        assert rows.data_ptr() == x.data_ptr() and stride == 7200
+    strided = torch.randn(4, 6, 10)[:, ::2, :5]  # rows 20 apart: still evenly spaced
+    assert _token_rows(strided, 1)[1] == 20
+    uneven = torch.randn(4, 6, 10)[:, :3, :5]  # 4 x 3 rows, 10 apart within a group, 60 between groups
+    rows, stride = _token_rows(uneven, 1)
+    assert rows.data_ptr() != uneven.data_ptr() and stride == 5 and torch.equal(rows, uneven)
