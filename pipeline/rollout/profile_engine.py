@@ -6,7 +6,7 @@
 (one sample per prompt by default: samples of one prompt share its KV blocks, which attention then reads largely
 from L2, so the step looks shorter than it is in a long rollout, where each sample's own tokens dominate);
 then at that length: an engine step (forward, sampling, bookkeeping) synchronised and as served (steps back to
-back, the host's work overlapped), the forward alone (CUDA graph
+back, the host's work overlapped; and how much of their time the GPU is busy, with the longest idle gaps), the forward alone (CUDA graph
 replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
 and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel and by
 the PyTorch operator that launched it (torch.profiler), and the operators' calls by the line of this project that
@@ -84,6 +84,29 @@ def operator_lines(fn, top: int) -> list[tuple[str, int]]:
     return rows[:top] + [("(all operators)", sum(counts.values()))]
 
 
+def gpu_timeline(fn, top: int) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """``fn`` under torch.profiler (GPU activity only): ``(wall us from the first kernel's start to the last's end,
+    us the GPU was busy, the ``top`` longest idle gaps as (us, kernel before, kernel after))``: where served steps
+    leave the GPU waiting (for the host, for a copy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0, 0.0, []
+    busy, gaps, end, before = 0.0, [], spans[0][0], ""
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, before[:60], name[:60]))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, before = stop, name
+    return end - spans[0][0], busy, sorted(gaps, reverse=True)[:top]
+
+
 def kernel_tables(fn, top: int):
     """One call of ``fn`` under torch.profiler: ``(kernel name, GPU ms, launches)`` per kernel and ``(operator, GPU
     ms of the kernels it launched itself, calls)`` per PyTorch operator (which op a generic kernel serves; Triton
@@ -136,6 +159,7 @@ def main() -> None:
 
     rows = [("engine step, synchronised", median_ms(engine.step, args.repeats)),
             ("engine step, as served (back to back)", served_ms(engine, args.repeats))]
+    wall, busy, gaps = gpu_timeline(lambda: [engine.step() for _ in range(5)], args.top)
     seqs = engine.running
     ids = torch.tensor([s.token_ids[-1] for s in seqs], device="cuda")
     slots = torch.tensor([s.slot for s in seqs], device="cuda")
@@ -186,6 +210,10 @@ def main() -> None:
         all_ms = kernels_eager[-1][1]
         for name, ms, n in table:
             print(f"| `{name[:90]}` | {ms:.3f} | {n} | {ms / all_ms:.0%} |")
+    print(f"\nFive served steps: GPU busy {busy / 1e3:.2f} ms of {wall / 1e3:.2f} ms ({busy / max(wall, 1e-9):.0%}); "
+          "the longest idle gaps:\n\n| gap us | after kernel | before kernel |\n|---|---|---|")
+    for gap, before, after in gaps:
+        print(f"| {gap:.1f} | `{before}` | `{after}` |")
     print("\n| source line: PyTorch operator (eager forward) | calls |\n|---|---|")
     for name, n in lines_eager:
         print(f"| `{name[:110]}` | {n} |")

@@ -102,15 +102,16 @@ class SSEAttention(nn.Module):
         )
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
-        """What reads the layer's input in one product: q, k, v and the narrow first halves of the low-rank
-        maps, the output gate's last (the router stays a module call, so that hooks on ``e_proj`` see its
-        logits). The gate reads the input with padding zeroed, which changes only padded tokens' outputs."""
+        """What reads the layer's input in one product: q, k, v, the narrow first halves of the low-rank maps, the
+        output gate's, and last the router. The router joins only in decode steps (training and prefill call
+        ``e_proj``, so that its hooks see the logits there). The gate reads the input with padding zeroed, which
+        changes only padded tokens' outputs."""
         narrow = [self.lora_q_proj[0], self.lora_k_proj[0]]
         if self.transition == "gla":
             narrow += [self.gk_proj[0][0], self.gk_proj[1][0]]
         if hasattr(self, "g_proj"):
             narrow.append(self.g_proj[0])
-        return self.q_proj, self.k_proj, self.v_proj, *narrow
+        return self.q_proj, self.k_proj, self.v_proj, *narrow, self.e_proj
 
     def low_rank_outputs(self) -> tuple[nn.Linear, ...]:
         """The second halves of the LoRA q, LoRA k and (GLA) both decay gates, in ``input_projections`` order."""
@@ -128,7 +129,9 @@ class SSEAttention(nn.Module):
         pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
-        q, k, v, *low = project(x, *self.input_projections())
+        maps = self.input_projections()
+        q, k, v, *low = project(x, *(maps if pool is not None else maps[:-1]))
+        router_logits = low.pop() if pool is not None else self.e_proj(x)
         gate = self.g_proj[1](low.pop()) if hasattr(self, "g_proj") else None
         q, k = zero_padding(q, mask), zero_padding(k, mask)
 
@@ -181,7 +184,7 @@ class SSEAttention(nn.Module):
         sparse = Branch(q_sparse, *(zero_padding(t, mask) for t in (k_sparse, g_sparse, beta_sparse)))
         v = zero_padding(v, mask)
 
-        routing = route_tokens(self.e_proj(x), cfg.num_writers, cfg.num_readers)
+        routing = route_tokens(router_logits, cfg.num_writers, cfg.num_readers)
         if pool is not None:  # one token per sequence, partitions updated in place
             token = Routing(routing.probs[:, 0], routing.topk[:, 0], routing.num_writers, routing.num_readers)
             o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options,
