@@ -94,11 +94,35 @@ class _Request:
 
 @dataclass(eq=False)
 class _Launched:
-    """A decode step queued on the GPU: its rows and their sampled tokens, not yet read by the host."""
+    """A decode step queued on the GPU: its rows and their sampled tokens (on the device, the next step's input),
+    not yet read by the host. On CUDA the tokens and log-probabilities are also copied to pinned host memory right
+    behind the sampler, and ``ready`` marks when they are there: reading them waits for this step alone, not for
+    the step queued after it (a plain ``.tolist()`` would be ordered behind that one on the stream)."""
 
     seqs: list[_Sequence]
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor] | None = None
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def queue(cls, seqs: list[_Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> "_Launched":
+        if not tokens.is_cuda:
+            return cls(seqs, tokens, logprobs)
+        host = (torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True))
+        host[0].copy_(tokens, non_blocking=True)
+        host[1].copy_(logprobs, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, tokens, logprobs, host, ready)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The sampled tokens and log-probabilities on the host (waits for this step's sampler)."""
+        if self.host is None:
+            return self.tokens.tolist(), self.logprobs.tolist()
+        self.ready.synchronize()
+        return self.host[0].tolist(), self.host[1].tolist()
 
 
 @dataclass
@@ -452,7 +476,7 @@ class Engine:
         if not seqs:
             return None
         ids, slots, sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
-        return _Launched(seqs, *sample(self._forward_decode(ids, slots), **sampling))
+        return _Launched.queue(seqs, *sample(self._forward_decode(ids, slots), **sampling))
 
     def _launch_after(self, step: _Launched) -> _Launched | None:
         """Queues the step after ``step`` (not yet read) from its tokens on the GPU, for its rows that surely
@@ -470,12 +494,12 @@ class Engine:
         self._view(max(s.cached_length + 2 for s in seqs))
         picked, slots, sampling = self._step_inputs(seqs, rows, [s.slot for s in seqs], ahead=1)
         ids = step.tokens if len(rows) == len(step.seqs) else step.tokens[picked]
-        return _Launched(seqs, *sample(self._forward_decode(ids, slots), **sampling))
+        return _Launched.queue(seqs, *sample(self._forward_decode(ids, slots), **sampling))
 
     def _land(self, step: _Launched) -> list[RequestOutput]:
         """Reads a queued step's tokens (waiting for the GPU) into its sequences; rows of sequences that stopped
         since it was queued are dropped."""
-        tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
+        tokens, logprobs = step.read()
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             if seq.finish_reason is None:
                 self._append(seq, token, logprob)
