@@ -94,12 +94,16 @@ class VllmEngine:
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
         from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
 
         self.wake_up()
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         inputs = prompt if isinstance(prompt, str) else {"prompt_token_ids": [int(t) for t in prompt]}
-        self.llm.llm_engine.add_request(request_id, inputs, VllmParams(**to_vllm_kwargs(params)))
+        # one output per request, with all n samples, once the last finishes: vLLM gathers a request's samples
+        # only in this mode (LLM.generate sets it too); by default each sample came out alone
+        params = VllmParams(**to_vllm_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY)
+        self.llm.llm_engine.add_request(request_id, inputs, params)
         return request_id
 
     def has_unfinished(self) -> bool:

@@ -61,4 +61,10 @@ def test_vllm_engine_follows_weights_and_sleep(tmp_path):
     while engine.has_unfinished():
         done.update({out.request_id: out for out in engine.step()})
     assert [done[i].outputs[0].token_ids for i in ids] == want_second
+    # a request of n samples (evaluation's repeats) comes out once, with all of them
+    sampled = engine.add_request(prompts[1], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=0))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [sampled] and sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
     assert engine.capacity(512) >= 1
