@@ -6,8 +6,10 @@ What runs where:
 - routing (router softmax + top-k): :mod:`kernels.routing`;
 - decode (one token for a batch of sequences in a state pool; SSE, GLA and gated delta rule):
   :mod:`kernels.decode`;
-- the rollout engine's decode attention over its paged KV (:mod:`kernels.paged_attention`) and its sampler
-  without top-p / top-k (:mod:`kernels.sampling`), called by the engine's cache and sampler directly;
+- the rollout engine's decode attention over its paged KV, with its RoPE-and-store prologue
+  (:mod:`kernels.paged_attention`), and its sampler without top-p / top-k (:mod:`kernels.sampling`), called by
+  the engine's cache and sampler directly;
+- generation's matrix products of few rows, the residual added in their epilogue: :mod:`kernels.skinny`;
 - chunked training / prefill of SSE over GLA, and of GLA: :mod:`kernels.sse_chunk` (ours, no fla); the gated
   delta rule runs on fla's chunked kernels when fla is installed, else on the PyTorch chunked ops.
 

@@ -421,3 +421,22 @@ def test_logprobs_match_the_trainer_beyond_4k_positions(model, tokenizer, dtype)
     expected = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids)]
     error = (torch.tensor(out.outputs[0].logprobs) - torch.tensor(expected)).abs()
     assert error.max() < (1e-5 if dtype == torch.float32 else 1e-2), error
+
+
+def test_profile_engine_names_the_lines_that_launch_operators(model, tokenizer):
+    """``profile_engine``'s table of operators by source line points at this project's code: one decode step's
+    residual adds come from the output projections (``dispatch.linear``), none from the block."""
+    from pipeline.rollout.profile_engine import operator_lines
+
+    engine = make_engine(model, tokenizer)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    seq = engine.running[0]
+    ids, slots = torch.tensor([seq.token_ids[-1]]), torch.tensor([seq.slot])
+    with torch.no_grad():
+        rows = dict(operator_lines(lambda: engine._forward_decode(ids, slots), 1000))
+    assert rows.pop("(all operators)") == sum(rows.values()) > 0
+    assert all(name.startswith(("sse_model/", "kernels/", "pipeline/", "(outside")) for name in rows)
+    adds = {name.split()[0].rsplit(":", 1)[0] for name in rows if name.endswith("aten.add.Tensor")}
+    assert "sse_model/ops/dispatch.py" in adds and "sse_model/modeling_sse.py" not in adds
