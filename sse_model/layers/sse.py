@@ -129,7 +129,7 @@ class SSEAttention(nn.Module):
         pool = ctx.cache.linear_pool(self.layer_idx) if ctx.cache is not None and T == 1 else None
         state = ctx.cache.read_linear(self.layer_idx, recurrent=pool is None) if ctx.cache is not None else None
 
-        maps = self.input_projections()
+        maps = self.input_projections()  # the router last: a decode step reads it in the same product
         q, k, v, *low = project(x, *(maps if pool is not None else maps[:-1]))
         router_logits = low.pop() if pool is not None else self.e_proj(x)
         gate = self.g_proj[1](low.pop()) if hasattr(self, "g_proj") else None
