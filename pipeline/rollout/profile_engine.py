@@ -6,11 +6,11 @@
 (one sample per prompt by default: samples of one prompt share its KV blocks, which attention then reads largely
 from L2, so the step looks shorter than it is in a long rollout, where each sample's own tokens dominate);
 then at that length: an engine step (forward, sampling, bookkeeping) synchronised and as served (steps back to
-back, the host's work overlapped; and how much of their time the GPU is busy, with the longest idle gaps), the forward alone (CUDA graph
-replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass kernel
-and the PyTorch path that filters), the step's memory roofline, and the eager forward's GPU time by kernel and by
-the PyTorch operator that launched it (torch.profiler), and the operators' calls by the line of this project that
-called them. Each timing is the median over ``--repeats`` runs.
+back, the host's work overlapped), how busy served steps keep the GPU and its longest idle gaps, the forward alone
+(CUDA graph replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass
+kernel and the PyTorch path that filters), the step's memory roofline, the eager forward's GPU time by kernel and
+by the PyTorch operator that launched it (torch.profiler), and the operators' calls by the line of this project
+that called them. Each timing is the median over ``--repeats`` runs.
 """
 
 from __future__ import annotations
