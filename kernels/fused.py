@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import interpreting
+from sse_model.ops.dispatch import note_declined
 from sse_model.ops.fused import ACTIVATIONS
 
 MAX_ROW = 16384
@@ -128,7 +129,10 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None):
     """Drop-in for :func:`sse_model.ops.fused.rms_norm`; None declines (rows too long, float64)."""
-    if x.shape[-1] > MAX_ROW or x.dtype == torch.float64 or (gate is not None and gate.shape != x.shape):
+    if x.dtype == torch.float64 or (gate is not None and gate.shape != x.shape):
+        return None
+    if x.shape[-1] > MAX_ROW:
+        note_declined("fused rms_norm", f"rows of {x.shape[-1]} > {MAX_ROW}")
         return None
     return _RMSNorm.apply(x, weight, gate, eps, x.dtype if out_dtype is None else out_dtype)
 
@@ -317,7 +321,10 @@ def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side
                         k_activation: str, normalizer: float):
     """Drop-in for :func:`sse_model.ops.fused.sse_features`; None declines (float64, shapes that differ)."""
     ins = (q, q_lora, k, k_lora, gk_shared, gk_sparse)
-    if q.dtype == torch.float64 or any(x.shape != q.shape for x in ins) or q.shape[-1] > MAX_ROW:
+    if q.dtype == torch.float64 or any(x.shape != q.shape for x in ins):
+        return None
+    if q.shape[-1] > MAX_ROW:
+        note_declined("fused sse_features", f"head size {q.shape[-1]} > {MAX_ROW}")
         return None
     return _Features.apply(q, q_lora, k, k_lora, gk_shared, gk_sparse, lora_side == "shared",
                            ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)
@@ -409,7 +416,11 @@ def sse_decode_features_triton(q, k, v, low, up, *, lora_side: str, q_activation
     H, K = q.shape[-2:]
     V = v.shape[-1]
     RQ, RG = low[0].shape[-1], low[2].shape[-1]
-    if (low[1].shape[-1], low[3].shape[-1]) != (RQ, RG) or max(K, V) > MAX_ROW or max(RQ, RG) > 256:
+    if (low[1].shape[-1], low[3].shape[-1]) != (RQ, RG):
+        return None
+    if max(K, V) > MAX_ROW or max(RQ, RG) > 256:
+        note_declined("fused sse_decode_features", f"head sizes {K}/{V} (at most {MAX_ROW}), low-rank widths "
+                                                   f"{RQ}/{RG} (at most 256)")
         return None
     (q, sq), (k, sk), (v, sv) = _token_rows(q), _token_rows(k), _token_rows(v)
     (lq, slq), (lk, slk), (lg0, sg0), (lg1, sg1) = (_token_rows(x, 1) for x in low)

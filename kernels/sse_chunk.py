@@ -489,11 +489,14 @@ class KernelConfig:
     block_v: int
     num_warps: int = 8
     num_stages: int = 2
+    min_blocks_v: int = 1  # value blocks at least: narrower ones where the head dim is small (down to 16)
 
     def blocks(self, K: int, V: int) -> dict:
         """``BK, BV, NK, NV`` for head dims ``K, V`` (tiles of at least 16: the smallest ``tl.dot``)."""
         bk = min(self.block_k, max(16, triton.next_power_of_2(K)))
         bv = min(self.block_v, max(16, triton.next_power_of_2(V)))
+        while bv > 16 and triton.cdiv(V, bv) < self.min_blocks_v:
+            bv //= 2
         return dict(BK=bk, BV=bv, NK=triton.cdiv(K, bk), NV=triton.cdiv(V, bv))
 
     def launch(self) -> dict:
@@ -504,12 +507,18 @@ class KernelConfig:
 # layer shapes (8 x 4k and 2 x 16k tokens, 8 heads; the per-chunk kernels also at 32 x 4k, 18 heads): fixed
 # configs instead of autotuning keep the first step's compilation short. 128-wide value blocks read q / k / g
 # once per chunk in the output and dv kernels.
+#
+# ``_bwd_dqkg`` walks the value blocks in a loop. With one block (BV >= V: V = 64 at BV = 64, or BV = 128 at
+# V = 128) or an unpipelined loop (num_stages = 1), Triton 3.6 miscompiles its bf16 products at 4 warps on
+# Hopper: compute-sanitizer reports an out-of-range shared-memory address and the launch dies with an illegal
+# memory access, or (V = 80 / 96 at one stage) the gradients come out wrong. Two value blocks or more are
+# clean at every head dim from 64 to 256 (``docs/real_shapes.md``) and, at V = 64, also the fastest choice.
 CONFIGS = {
     "fwd_h": KernelConfig(64, 64, 4),
     "fwd_o": KernelConfig(32, 128, 4),
     "bwd_dh": KernelConfig(64, 128, 4),
     "bwd_dv": KernelConfig(32, 128, 4),
-    "bwd_dqkg": KernelConfig(32, 64, 4),
+    "bwd_dqkg": KernelConfig(32, 64, 4, min_blocks_v=2),
 }
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .configuration_sse import ATTENTION_MIXERS
+from .ops.dispatch import note_declined
 
 
 @dataclass
@@ -385,7 +386,13 @@ class SlotCache:
         """Whether decode steps of full layers read the blocks in place (:meth:`decode_attention`; ``view_blocks``
         then matters to prefill only): ``paged_decode`` on and a head size the kernel takes."""
         D = self.config.attn_head_dim
-        return self.paged_decode and D >= 16 and D & (D - 1) == 0
+        if not self.paged_decode:
+            return False
+        if D < 16 or D & (D - 1):
+            note_declined("paged decode attention", f"head size {D} is not a power of two from 16; the blocks are "
+                                                    "gathered for SDPA")
+            return False
+        return True
 
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          rotary, positions: torch.Tensor):

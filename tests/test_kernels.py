@@ -191,14 +191,14 @@ def test_sse_chunk_kernels_match_reference(case):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
-@pytest.mark.parametrize("K", [16, 80, 144])
-def test_gla_chunk_kernel_matches_reference(K):
+@pytest.mark.parametrize("K,V", [(16, 32), (80, 32), (144, 32), (64, 64)])  # 64: SmolLM2's and Qwen2.5-0.5B's heads
+def test_gla_chunk_kernel_matches_reference(K, V):
     """Outputs, final states and gradients against float64; a forward without gradients gives the same
     output and state as one that keeps the chunk states for the backward."""
     from kernels.sse_chunk import chunk_gla_triton
     from sse_model.ops.gla import recurrent_gla
 
-    lengths, H, V = [21, 1, 40], 2, 32
+    lengths, H = [21, 1, 40], 2
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     b = branch(T, H, K, "gla", torch.float32)
@@ -223,6 +223,16 @@ def test_gla_chunk_kernel_matches_reference(K):
     assert_close(s.cpu(), s_ref, torch.float32, "final state")
     for name, a, c in zip(["q", "k", "v", "g", "state"], g, g_ref):
         assert_close(a.cpu(), c, torch.float32, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("D", [32, 48, 64, 80, 96, 128, 256])
+def test_dqkg_kernel_walks_two_value_blocks_or_more(D):
+    """``_bwd_dqkg`` with one value block (V = 64 at the 2B shape's 64-wide blocks: SmolLM2's heads) was
+    miscompiled by Triton 3.6 on Hopper in bf16: illegal memory access in the first backward (found on an H100,
+    ``docs/real_shapes.md``). The interpreter cannot show a miscompile, so this holds the tile choice."""
+    from kernels.sse_chunk import CONFIGS
+
+    assert CONFIGS["bwd_dqkg"].blocks(D, D)["NV"] >= 2
 
 
 def test_chunk_kernels_take_the_exact_path_for_strong_decays():
@@ -566,3 +576,21 @@ def test_token_rows_reads_column_slices_in_place():
     uneven = torch.randn(4, 6, 10)[:, :3, :5]  # 4 x 3 rows, 10 apart within a group, 60 between groups
     rows, stride = _token_rows(uneven, 1)
     assert rows.data_ptr() != uneven.data_ptr() and stride == 5 and torch.equal(rows, uneven)
+
+
+def test_real_shapes_sweep_covers_the_shapes_of_real_checkpoints():
+    """``kernels/bench/real_shapes.py`` (run on a GPU, ``docs/real_shapes.md``) checks every kernel family at the
+    head dims, head counts, dtypes and routing sizes real checkpoints have, and each named model's exact shape."""
+    from kernels.bench.real_shapes import CHECKS, HEAD_DIMS, MODELS, groups
+
+    every = groups()
+    assert {family for family, _, _ in every} == set(CHECKS)
+    chunk = [kw for family, _, kw in every if family == "chunk"]
+    assert set(HEAD_DIMS) == {64, 80, 96, 128, 256} <= {kw["D"] for kw in chunk}
+    assert {3, 9, 14, 16, 32} <= {kw["H"] for kw in chunk}
+    assert {(kw["N"], kw["K"]) for kw in chunk} >= {(4, 1), (4, 2), (16, 1), (16, 2)}
+    assert {kw["dtype"] for kw in chunk} == {"bfloat16", "float32"}
+    attention = {(kw["H"], kw["H_kv"], kw["D"]) for family, _, kw in every if family == "attention"}
+    for name, (H, H_kv, D, *_) in MODELS.items():
+        assert (H, H_kv, D) in attention and any(n.endswith(name) for _, n, _ in every), name
+    assert len({name for _, name, _ in every}) == len(every)  # each child's rows are told apart by its name

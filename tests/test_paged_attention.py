@@ -86,3 +86,24 @@ def test_rotary_store_equals_rope_then_store(dtype, atol):
         torch.testing.assert_close(pool_k[block, :, index % block_size].double(), want_k[b, 0], atol=atol, rtol=atol)
         assert torch.equal(pool_v[block, :, index % block_size], v[b])
     assert int((pool_k != 0).any(-1).sum()) == B * H_kv  # nothing else written
+
+
+def test_cache_declines_head_sizes_the_kernel_cannot_take_and_says_so_once(caplog):
+    """Phi-style heads of 80 (not a power of two): the engine's cache gathers the blocks for SDPA instead of the
+    paged kernel and logs that once; heads of 64 are read in place."""
+    from sse_model import SSEConfig
+    from sse_model.cache import SlotCache
+    from sse_model.ops import dispatch
+
+    def cache(D):
+        cfg = SSEConfig(hidden_size=4 * D, num_heads=4, head_dim=D, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=1, mixer_types=["attn"], vocab_size=64)
+        return SlotCache(cfg, max_slots=2, max_len=64, device="cpu", dtype=torch.float32, paged_decode=True)
+
+    dispatch._DECLINED.clear()
+    with caplog.at_level("WARNING", logger="sse_model.ops.dispatch"):
+        assert cache(64).decode_in_place
+        phi = cache(80)
+        assert not phi.decode_in_place and not phi.decode_in_place
+    notes = [r.getMessage() for r in caplog.records if "declined" in r.getMessage()]
+    assert len(notes) == 1 and "head size 80" in notes[0]

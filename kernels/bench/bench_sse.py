@@ -52,7 +52,7 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60)
 
 
-def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False, heads=H):
+def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False, heads=H, head_dim=D):
     from sse_model.ops.sse import Branch
 
     def make(*shape, fn=None):
@@ -61,10 +61,10 @@ def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False, heads=H):
         return x.to(dtype).requires_grad_(grad)
 
     def side():
-        return Branch(make(B, T, heads, D), make(B, T, heads, D, fn=lambda x: x.softmax(-1)),
-                      make(B, T, heads, D, fn=lambda x: F.logsigmoid(x) / 16))
+        return Branch(make(B, T, heads, head_dim), make(B, T, heads, head_dim, fn=lambda x: x.softmax(-1)),
+                      make(B, T, heads, head_dim, fn=lambda x: F.logsigmoid(x) / 16))
 
-    return side(), side(), make(B, T, heads, D), make(B, T, N)
+    return side(), side(), make(B, T, heads, head_dim), make(B, T, N)
 
 
 def sse_call(inputs, impl="auto", K=1):

@@ -24,7 +24,8 @@ from .bench_sse import fwd_bwd, leaves_of, limit_autotune, sse_call, sse_inputs
 SEQUENTIAL = [KernelConfig(64, 64, 4), KernelConfig(64, 64, 8), KernelConfig(32, 64, 4), KernelConfig(64, 64, 4, 3),
               KernelConfig(64, 64, 2), KernelConfig(32, 64, 2), KernelConfig(64, 128, 4), KernelConfig(32, 32, 2)]
 PER_CHUNK = [KernelConfig(32, 64, 4), KernelConfig(64, 64, 4), KernelConfig(32, 128, 4), KernelConfig(64, 128, 8),
-             KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 2), KernelConfig(16, 64, 4), KernelConfig(64, 64, 4, 3)]
+             KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 2), KernelConfig(16, 64, 4), KernelConfig(64, 64, 4, 3),
+             KernelConfig(32, 64, 8), KernelConfig(64, 64, 8), KernelConfig(32, 32, 4)]
 CANDIDATES = {"fwd_h": SEQUENTIAL, "bwd_dh": SEQUENTIAL, "fwd_o": PER_CHUNK, "bwd_dv": PER_CHUNK,
               "bwd_dqkg": PER_CHUNK}
 
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--B", type=int, default=4)
     parser.add_argument("--T", type=int, default=32768)
     parser.add_argument("--H", type=int, default=18, help="heads")
+    parser.add_argument("--D", type=int, default=128, help="head dim")
     parser.add_argument("--kernels", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--then-bench", action="store_true")
     args = parser.parse_args()
@@ -56,9 +58,9 @@ def main() -> None:
     import kernels
 
     kernels.register()
-    inputs = sse_inputs(args.B, args.T, 4, grad=True, heads=args.H)
+    inputs = sse_inputs(args.B, args.T, 4, grad=True, heads=args.H, head_dim=args.D)
     step = fwd_bwd(sse_call(inputs), leaves_of(inputs))
-    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H={args.H}, D=128, N=4, K=1, bf16, one f+b)\n")
+    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H={args.H}, D={args.D}, N=4, K=1, bf16, one f+b)\n")
     print("| kernel | BK | BV | warps | stages | ms |")
     print("|---|---|---|---|---|---|")
     for name in args.kernels:

@@ -8,6 +8,7 @@ and are used on the devices they support. ``SSE_BACKEND=torch`` in the environme
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +23,7 @@ from .sse import Branch, Routing, SSEOptions, route, sse_decode_step, sse_masked
 
 SSE_IMPLEMENTATIONS = ("auto", "recurrent", "mask", "varlen")
 LINEAR_MODES = ("auto", "recurrent", "chunk")
+logger = logging.getLogger(__name__)
 
 
 def _uniform(transition: str, fn: Callable, **fixed) -> Callable:
@@ -73,6 +75,15 @@ class Backend:
 
 
 _BACKENDS: list[Backend] = []
+_DECLINED: set[tuple[str, str]] = set()
+
+
+def note_declined(kernel: str, reason: str) -> None:
+    """Says once per (kernel, reason) that an accelerated kernel declined a shape it cannot serve, so that the
+    PyTorch op runs instead: a slower path is a choice the user should see, never a silent one."""
+    if (kernel, reason) not in _DECLINED:
+        _DECLINED.add((kernel, reason))
+        logger.warning("%s declined (%s): the PyTorch op runs instead", kernel, reason)
 
 
 def register_backend(backend: Backend) -> None:
@@ -274,6 +285,7 @@ __all__ = [
     "linear",
     "linear_attention",
     "linear_decode",
+    "note_declined",
     "register_backend",
     "rms_norm",
     "route_tokens",

@@ -123,6 +123,29 @@ def test_sse_chunk_kernels(name):
     assert rel(o, o_ref) < tol and rel(s, s_ref) < tol and grad_err < 4 * tol
 
 
+@pytest.mark.parametrize("D", [64, 80, 96, 256])
+def test_chunk_kernels_at_real_head_dims(D):
+    """bf16 SSE and GLA chunk kernels, 9 heads, at the head dims of real checkpoints other than the 2B model's
+    (packed lengths 1 / 63 / 64 / 65 / 4097): at 64 the first backward died with an illegal memory access (a
+    one-value-block ``_bwd_dqkg`` that Triton miscompiles, ``kernels/sse_chunk.py::CONFIGS``)."""
+    from kernels.bench.real_shapes import check_chunk
+
+    rows = list(check_chunk(9, D, "bfloat16", 4, 1))
+    RESULTS.extend((f"{r['kernel']} {r['shape']}: o+state / grad", r["out"], r["grad"]) for r in rows)
+    assert all(r["status"] == "ok" for r in rows), rows
+
+
+def test_converted_smollm2_shapes_train_and_generate():
+    """SmolLM2-135M converted to SSE-H (its exact shapes, random weights): a packed bf16 training step on the
+    Triton backend and the engine's sampled log-probabilities, each against float32 within 1.5x / 2x of what the
+    PyTorch ops give in bf16 (``kernels.bench.real_shapes.check_model``)."""
+    from kernels.bench.real_shapes import check_model
+
+    rows = list(check_model("smollm2-135m"))
+    RESULTS.extend((f"smollm2 shapes: {r['kernel']} (bound {r['tol']:.1e})"[:45], r["out"], 0.0) for r in rows)
+    assert all(r["status"] == "ok" for r in rows), rows
+
+
 @pytest.mark.parametrize("Kw,Kr", [(1, 1), (1, 2)])
 def test_side_stream_equals_one_stream(Kw, Kr):
     """The sparse launches on a second stream (``kernels.sse_chunk.OVERLAP``) give bit-identical outputs, states
