@@ -2,7 +2,7 @@
 
 An SSE layer's training step is close to bound by the host (``docs/benchmarks.md``), and its plan was the
 largest part of the host's extra work over GLA: the counting sort of :class:`~sse_model.ops.sse.VarlenPlan`
-and the chunk tables of :class:`~kernels.sse_chunk.ChunkPlan`, each a chain of small operators. Here:
+and the chunk tables of :class:`ChunkPlan`, each a chain of small operators. Here:
 
 - ``_block_counts``, then ``_count_before`` (per token block, with the running sum of the blocks' counts
   between them): ``before[t, p]``, the pairs of partition ``p`` among tokens ``< t``;
@@ -20,6 +20,7 @@ the definition; the tests hold these kernels to them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,6 +29,67 @@ import triton.language as tl
 from sse_model.ops.sse import VarlenPlan
 
 BLOCK = 1024
+CHUNK = 64  # rows per chunk of the chunk kernels (kernels/sse_chunk.py)
+
+
+@dataclass
+class ChunkPlan:
+    """Segments and chunks of one call. Segments ``[0, S)`` are the sequences (the shared partition), then
+    ``S * NP`` sparse segments, sequence-major, partition-minor (the order of ``VarlenPlan``). Chunk ids
+    number every segment's chunks in segment order; ``launch_shared`` / ``launch_sparse`` give each program
+    of the two per-chunk launches its chunk id (-1: nothing to do). Host-side sizes are upper bounds, so
+    building the plan never waits for the GPU. :meth:`build` is the PyTorch definition; :func:`build_plans`
+    builds the same tables with the kernels below.
+    """
+
+    cu_seg: torch.Tensor  # [num_seg + 1] row offsets
+    chunk_off: torch.Tensor  # [num_seg] first chunk id of each segment
+    chunk_seg: torch.Tensor  # [max_chunks] segment of each chunk id (-1 past the end)
+    chunk_start: torch.Tensor  # [max_chunks] first row of each chunk id
+    launch_shared: torch.Tensor
+    launch_sparse: torch.Tensor | None
+    num_seqs: int
+    num_sparse_partitions: int  # NP sparse partitions; 0 for plain GLA
+    chunk: int
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_seg.numel() - 1
+
+    @property
+    def max_chunks(self) -> int:
+        return self.chunk_seg.numel()
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, sparse_cu: torch.Tensor | None = None,
+              num_pairs: int = 0, num_sparse_partitions: int = 0, chunk: int = CHUNK) -> "ChunkPlan":
+        """``cu_seqlens``: token offsets of the ``S`` sequences; ``sparse_cu``: offsets of the sparse segments
+        in the pair list (``VarlenPlan.cu_seqlens``, ``[S * NP + 1]``), None for plain GLA."""
+        device = cu_seqlens.device
+        S = cu_seqlens.numel() - 1
+        cu = cu_seqlens.long()
+        if sparse_cu is not None:
+            cu = torch.cat([cu, num_tokens + sparse_cu[1:].long()])
+        n_chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+        incl = n_chunks.cumsum(0)
+        excl = incl - n_chunks
+        max_sh = -(-num_tokens // chunk) + S
+        max_sp = 0 if sparse_cu is None else -(-num_pairs // chunk) + S * num_sparse_partitions
+        total = max_sh + max_sp
+        ids = torch.arange(total, device=device)
+        seg = torch.searchsorted(incl, ids, right=True)
+        inside = seg < n_chunks.numel()
+        seg_c = seg.clamp(max=n_chunks.numel() - 1)
+        chunk_start = cu[seg_c] + (ids - excl[seg_c]) * chunk
+        chunk_seg = torch.where(inside, seg, -1)
+        launch_sh = torch.where(inside[:max_sh] & (seg[:max_sh] < S), ids[:max_sh], -1)
+        launch_sp = None
+        if sparse_cu is not None:
+            sp_ids = excl[S] + torch.arange(max_sp, device=device)  # sparse chunks follow the shared ones
+            launch_sp = torch.where(sp_ids < incl[-1], sp_ids, -1)
+        i32 = torch.int32
+        return cls(cu.to(i32), excl.to(i32), chunk_seg.to(i32), chunk_start,
+                   launch_sh.to(i32), None if launch_sp is None else launch_sp.to(i32), S, num_sparse_partitions, chunk)
 
 
 @triton.jit
@@ -166,7 +228,7 @@ def build_plans(cu: torch.Tensor, num_tokens: int, topk: torch.Tensor | None = N
                 num_writers: int = 1, num_readers: int = 1, chunk: int = 64):
     """The plans of one call: ``(chunks, pairs)`` with ``pairs`` None for plain GLA (``topk`` None), else
     ``(VarlenPlan, tok32, source, write, read)`` (see ``kernels/sse_chunk.py::_SSEPlan``); ``chunks`` has
-    :class:`~kernels.sse_chunk.ChunkPlan`'s fields as a dict."""
+    :class:`ChunkPlan`'s fields as a dict."""
     device = cu.device
     S = cu.numel() - 1
     L = num_tokens
@@ -218,8 +280,6 @@ def build_plans(cu: torch.Tensor, num_tokens: int, topk: torch.Tensor | None = N
 def build_plans_reference(cu: torch.Tensor, num_tokens: int, topk: torch.Tensor | None = None,
                           num_sparse_partitions: int = 0, num_writers: int = 1, num_readers: int = 1, chunk: int = 64):
     """:func:`build_plans` by the PyTorch definitions (``VarlenPlan.build``, ``ChunkPlan.build``)."""
-    from .sse_chunk import ChunkPlan
-
     names = ("cu_seg", "chunk_off", "chunk_seg", "chunk_start", "launch_shared", "launch_sparse")
     if topk is None:
         plan = ChunkPlan.build(cu, num_tokens, chunk=chunk)

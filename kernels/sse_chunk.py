@@ -46,14 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.plan import build_plans
+from kernels.plan import CHUNK, ChunkPlan, build_plans
 from sse_model.ops.checkpointing import kept_outputs
 from sse_model.ops.sse import Branch, Routing, SSEOptions, VarlenPlan
 from sse_model.ops.varlen import check_cu_seqlens, dense_cu_seqlens
 
 LOG2E = tl.constexpr(1.4426950408889634)
 SAFE_LOG2 = 86.0  # 2^86 ~ 1e26: e^G and e^-G, and their products with any sane gradient, stay finite
-CHUNK = 64
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -419,66 +418,6 @@ def _bwd_dqkg(
 
 # ----------------------------------------------------------------------------------------------------------
 # host side
-
-
-@dataclass
-class ChunkPlan:
-    """Segments and chunks of one call. Segments ``[0, S)`` are the sequences (the shared partition), then
-    ``S * NP`` sparse segments, sequence-major, partition-minor (the order of ``VarlenPlan``). Chunk ids
-    number every segment's chunks in segment order; ``launch_shared`` / ``launch_sparse`` give each program
-    of the two per-chunk launches its chunk id (-1: nothing to do). Host-side sizes are upper bounds, so
-    building the plan never waits for the GPU. :meth:`build` is the PyTorch definition; the kernels' path
-    builds the same tables with ``kernels/plan.py``.
-    """
-
-    cu_seg: torch.Tensor  # [num_seg + 1] row offsets
-    chunk_off: torch.Tensor  # [num_seg] first chunk id of each segment
-    chunk_seg: torch.Tensor  # [max_chunks] segment of each chunk id (-1 past the end)
-    chunk_start: torch.Tensor  # [max_chunks] first row of each chunk id
-    launch_shared: torch.Tensor
-    launch_sparse: torch.Tensor | None
-    num_seqs: int
-    num_sparse_partitions: int  # NP sparse partitions; 0 for plain GLA
-    chunk: int
-
-    @property
-    def num_segments(self) -> int:
-        return self.cu_seg.numel() - 1
-
-    @property
-    def max_chunks(self) -> int:
-        return self.chunk_seg.numel()
-
-    @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, num_tokens: int, sparse_cu: torch.Tensor | None = None,
-              num_pairs: int = 0, num_sparse_partitions: int = 0, chunk: int = CHUNK) -> "ChunkPlan":
-        """``cu_seqlens``: token offsets of the ``S`` sequences; ``sparse_cu``: offsets of the sparse segments
-        in the pair list (``VarlenPlan.cu_seqlens``, ``[S * NP + 1]``), None for plain GLA."""
-        device = cu_seqlens.device
-        S = cu_seqlens.numel() - 1
-        cu = cu_seqlens.long()
-        if sparse_cu is not None:
-            cu = torch.cat([cu, num_tokens + sparse_cu[1:].long()])
-        n_chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
-        incl = n_chunks.cumsum(0)
-        excl = incl - n_chunks
-        max_sh = -(-num_tokens // chunk) + S
-        max_sp = 0 if sparse_cu is None else -(-num_pairs // chunk) + S * num_sparse_partitions
-        total = max_sh + max_sp
-        ids = torch.arange(total, device=device)
-        seg = torch.searchsorted(incl, ids, right=True)
-        inside = seg < n_chunks.numel()
-        seg_c = seg.clamp(max=n_chunks.numel() - 1)
-        chunk_start = cu[seg_c] + (ids - excl[seg_c]) * chunk
-        chunk_seg = torch.where(inside, seg, -1)
-        launch_sh = torch.where(inside[:max_sh] & (seg[:max_sh] < S), ids[:max_sh], -1)
-        launch_sp = None
-        if sparse_cu is not None:
-            sp_ids = excl[S] + torch.arange(max_sp, device=device)  # sparse chunks follow the shared ones
-            launch_sp = torch.where(sp_ids < incl[-1], sp_ids, -1)
-        i32 = torch.int32
-        return cls(cu.to(i32), excl.to(i32), chunk_seg.to(i32), chunk_start,
-                   launch_sh.to(i32), None if launch_sp is None else launch_sp.to(i32), S, num_sparse_partitions, chunk)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .storage import fetch_latest_checkpoint, storage_uri, store_checkpoint
+
 DONE = "stage_done.json"
 COMPLETE = "checkpoint_complete.json"
 log = logging.getLogger(__name__)
@@ -37,8 +39,6 @@ class CheckpointMarker(TrainerCallback):
             tmp.write_text(json.dumps(sizes, indent=1))
             os.replace(tmp, folder / COMPLETE)
             if self.store is not None:
-                from .storage import store_checkpoint
-
                 store_checkpoint(folder, self.store, args.save_total_limit)
 
 
@@ -89,6 +89,15 @@ def latest_complete_checkpoint(directory: Path) -> Path | None:
         folder.rename(aside)
         log.warning("checkpoint %s is incomplete: %s; moved to %s, resuming from the one before", folder, bad, aside)
     return None
+
+
+def resume_point(storage: str | None, run: str, stage: str, out_dir: Path) -> tuple[Path | None, str | None]:
+    """A training stage's checkpoint to resume from and where its checkpoints are stored (None without
+    storage): the newest complete one, fetched from storage first when this node has none as new."""
+    store = None if storage is None else storage_uri(storage, run, stage, "checkpoints")
+    if store is not None:
+        fetch_latest_checkpoint(store, Path(out_dir) / "checkpoints")
+    return latest_complete_checkpoint(Path(out_dir) / "checkpoints"), store
 
 
 def save_final(model, tokenizer, directory: Path, info: dict) -> Path:

@@ -187,17 +187,6 @@ def fetch_latest_checkpoint(uri: str, local_dir: Path) -> Path | None:
     return target
 
 
-def resume_point(storage: str | None, run: str, stage: str, out_dir: Path) -> tuple[Path | None, str | None]:
-    """A training stage's checkpoint to resume from and where its checkpoints are stored (None without
-    storage): the newest complete one, fetched from storage first when this node has none as new."""
-    from .checkpoints import latest_complete_checkpoint
-
-    store = None if storage is None else storage_uri(storage, run, stage, "checkpoints")
-    if store is not None:
-        fetch_latest_checkpoint(store, Path(out_dir) / "checkpoints")
-    return latest_complete_checkpoint(Path(out_dir) / "checkpoints"), store
-
-
 def set_aside(uri: str, suffix: str) -> None:
     """Moves what is stored at ``uri`` to ``uri + suffix`` (a stage run again keeps nothing of the old run in
     its place); a store that cannot move folders deletes it instead, with a warning."""

@@ -1,6 +1,6 @@
-"""The vLLM peer benchmark's table (``pipeline/rollout/bench_vllm.py``); the runs themselves need vLLM and a GPU."""
+"""The vLLM peer benchmark's table (``pipeline/rollout/bench/bench_vllm.py``); the runs themselves need vLLM and a GPU."""
 
-from pipeline.rollout.bench_vllm import table
+from pipeline.rollout.bench.bench_vllm import table
 
 
 def test_each_row_is_compared_with_vllm_at_its_length():

@@ -426,7 +426,7 @@ def test_logprobs_match_the_trainer_beyond_4k_positions(model, tokenizer, dtype)
 def test_profile_engine_names_the_lines_that_launch_operators(model, tokenizer):
     """``profile_engine``'s table of operators by source line points at this project's code: one decode step's
     residual adds come from the output projections (``dispatch.linear``), none from the block."""
-    from pipeline.rollout.profile_engine import operator_lines
+    from pipeline.rollout.bench.profile_engine import operator_lines
 
     engine = make_engine(model, tokenizer)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -1,5 +1,5 @@
 """``engine.backend``: the recipe key, the engine it builds, and the vLLM engine's translation of our sampling
-parameters and of vLLM's outputs (``pipeline/rollout/vllm_engine.py``). vLLM itself runs on the GPU."""
+parameters and of vLLM's outputs (``pipeline/rollout/vllm/engine.py``). vLLM itself runs on the GPU."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.recipe import RecipeError, load_recipe
 from pipeline.rollout import Engine, SamplingParams, create_engine
-from pipeline.rollout.vllm_engine import from_vllm_output, to_vllm_kwargs
+from pipeline.rollout.vllm.engine import from_vllm_output, to_vllm_kwargs
 from sse_model import SSEConfig, SSEForCausalLM
 
 
@@ -26,7 +26,7 @@ def test_sse_builds_this_package_engine():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_vllm_missing_is_named_with_its_key(tmp_path):
-    with pytest.raises(ImportError, match=r"engine.backend: vllm needs vLLM 0.25.1.*vllm_site"):
+    with pytest.raises(ImportError, match=r"engine.backend: vllm needs vLLM 0.25.1.*vllm\.site"):
         create_engine(str(tmp_path), None, backend="vllm")
 
 

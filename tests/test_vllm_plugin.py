@@ -1,6 +1,6 @@
-"""The vLLM plugin's parts that need no vLLM (``pipeline/rollout/vllm_plugin.py``): what it refuses, the state
+"""The vLLM plugin's parts that need no vLLM (``pipeline/rollout/vllm/plugin.py``): what it refuses, the state
 shapes it asks vLLM for, and where each checkpoint tensor lands. The model itself runs on the GPU
-(``python -m pipeline.rollout.vllm_site check-plugin``)."""
+(``python -m pipeline.rollout.vllm.site check-plugin``)."""
 
 import subprocess
 import sys
@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pipeline.rollout.vllm_plugin import (check_supported, linear_kind, run_linear_layer, state_dtypes, state_shapes,
+from pipeline.rollout.vllm.plugin import (check_supported, linear_kind, run_linear_layer, state_dtypes, state_shapes,
                                           vllm_weight_name)
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.layers.common import ForwardContext
 
 
 def test_the_plugin_imports_without_vllm():
-    code = ("import sys; import pipeline.rollout.vllm_plugin; "
+    code = ("import sys; import pipeline.rollout.vllm.plugin; "
             "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -7,9 +7,9 @@ from .sampling import SamplingParams, sample
 
 def create_engine(model, tokenizer=None, backend: str = "sse", **options):
     """The rollout engine a recipe's ``engine.backend`` names: ``sse`` (this package's :class:`Engine`) or ``vllm``
-    (:class:`~pipeline.rollout.vllm_engine.VllmEngine`, which serves a checkpoint folder)."""
+    (:class:`~pipeline.rollout.vllm.engine.VllmEngine`, which serves a checkpoint folder)."""
     if backend == "vllm":
-        from .vllm_engine import VllmEngine
+        from .vllm.engine import VllmEngine
 
         return VllmEngine(model, tokenizer, **options)
     if backend != "sse":

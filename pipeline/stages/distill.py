@@ -13,13 +13,12 @@ from pathlib import Path
 from trl import SFTConfig, SFTTrainer
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, save_final
+from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final
 from ..data import drop_overlong, sft_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
 from ..recipe import Recipe
-from ..storage import resume_point
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from eval.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, save_final
+from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final
 from ..data import prompt_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, Timer, plot_curves
@@ -44,7 +44,6 @@ from ..packing import pack_rows, unpack_per_token
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 from ..rollout.backend import group_consecutive
-from ..storage import resume_point
 from .rollout_batch import concat_batches, engine_correction, informative_groups, select_groups
 
 logger = logging.getLogger(__name__)

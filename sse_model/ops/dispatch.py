@@ -8,6 +8,7 @@ and are used on the devices they support. ``SSE_BACKEND=torch`` in the environme
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -90,26 +91,30 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS[:] = [b for b in _BACKENDS if b.name != backend.name] + [backend]
 
 
-_kernels_imported = False
+# The accelerated backends, each a module whose ``register()`` calls :func:`register_backend`. They are named here,
+# not imported: the kernels are built on these ops (``kernels -> sse_model``), and the ops must not import them back.
+BACKEND_MODULES = ("kernels.backend",)
+_backends_loaded = False
 
 
-def _import_kernels() -> None:
-    """The Triton kernels register themselves on import; CPU-only runs never import Triton."""
-    global _kernels_imported
-    if not _kernels_imported:
-        _kernels_imported = True
-        try:
-            from kernels import register
-        except ImportError:
-            return
-        register()
+def _load_backends() -> None:
+    """Registers :data:`BACKEND_MODULES` the first time a CUDA tensor comes by; CPU-only runs never import Triton."""
+    global _backends_loaded
+    if not _backends_loaded:
+        _backends_loaded = True
+        for name in BACKEND_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            module.register()
 
 
 def active_backend(x: torch.Tensor) -> Backend | None:
     if os.environ.get("SSE_BACKEND", "").lower() == "torch":
         return None
     if x.is_cuda:
-        _import_kernels()
+        _load_backends()
     for backend in reversed(_BACKENDS):
         if backend.supports(x):
             return backend

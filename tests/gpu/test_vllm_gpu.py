@@ -1,7 +1,7 @@
-"""``engine.backend: vllm`` on a GPU: :class:`~pipeline.rollout.vllm_engine.VllmEngine` (vLLM with this package's
+"""``engine.backend: vllm`` on a GPU: :class:`~pipeline.rollout.vllm.engine.VllmEngine` (vLLM with this package's
 plugin) against this package's engine on a small random SSE-H: greedy tokens, then again after new weights and
 after a sleep. ``PYTHONPATH=/tmp/vllm-site:$PWD pytest -s tests/gpu/test_vllm_gpu.py`` (vLLM on the path:
-``python -m pipeline.rollout.vllm_site``)."""
+``python -m pipeline.rollout.vllm.site``)."""
 
 from __future__ import annotations
 

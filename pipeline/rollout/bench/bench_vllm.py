@@ -1,12 +1,12 @@
 """Rollout throughput against vLLM, the engine GRPO pipelines roll out with; prints one markdown table.
 
-    PYTHONPATH=/tmp/vllm-site:$PWD python -m pipeline.rollout.bench_vllm [--new-tokens 1024 8192 32768]
+    PYTHONPATH=/tmp/vllm-site:$PWD python -m pipeline.rollout.bench.bench_vllm [--new-tokens 1024 8192 32768]
 
-(vLLM on the path: ``python -m pipeline.rollout.vllm_site``.) Per generation length, three rows on the shapes of
-``pipeline.rollout.benchmark`` (``--prompts`` prompts of ``--prompt-len`` random tokens x ``--samples`` samples,
+(vLLM on the path: ``python -m pipeline.rollout.vllm.site``.) Per generation length, three rows on the shapes of
+``pipeline.rollout.bench.benchmark`` (``--prompts`` prompts of ``--prompt-len`` random tokens x ``--samples`` samples,
 EOS ignored, temperature 1): vLLM serving ``transformer-2b`` (random weights, exported as a Llama checkpoint by
 :func:`sse_model.convert.export_to_llama`, bf16), our engine on ``transformer-2b`` and on ``sse-h-2b``;
-``--systems ... vllm:sse-h-2b`` adds SSE-H served by vLLM through :mod:`pipeline.rollout.vllm_plugin`. Each runs
+``--systems ... vllm:sse-h-2b`` adds SSE-H served by vLLM through :mod:`pipeline.rollout.vllm.plugin`. Each runs
 in a fresh process, one after another (vLLM reserves most of the GPU for its KV cache); peak = the most device
 memory in use while it generated, polled, whichever process held it. Goals: our engine on SSE-H >= 1.5x vLLM's
 tokens/s at 8k new tokens and >= 3x at 32k; our engine on the Transformer within 1.3x of vLLM.
@@ -59,7 +59,7 @@ def prompts(args) -> list[list[int]]:
 
 def export(path: str, preset: str, max_len: int) -> None:
     """``preset`` with random weights as a bf16 checkpoint vLLM serves: attention-only models as Llama, SSE models
-    as ``SSEForCausalLM`` (served through :mod:`pipeline.rollout.vllm_plugin`). Its ``max_position_embeddings``
+    as ``SSEForCausalLM`` (served through :mod:`pipeline.rollout.vllm.plugin`). Its ``max_position_embeddings``
     covers ``max_len``: vLLM sizes its rotary table by it, and a prompt of 512 + 32768 new tokens runs past the
     presets' 32768 (a device-side assert at the last positions)."""
     import torch
@@ -67,7 +67,7 @@ def export(path: str, preset: str, max_len: int) -> None:
     from sse_model.convert import export_to_llama
 
     from .benchmark import build
-    from .vllm_plugin import linear_kind
+    from ..vllm.plugin import linear_kind
 
     model = build(preset)
     model.config.max_position_embeddings = max(model.config.max_position_embeddings or 0, max_len)
@@ -76,8 +76,8 @@ def export(path: str, preset: str, max_len: int) -> None:
 
 
 def run_vllm(path: str, args, new_tokens: int) -> dict:
-    from .vllm_plugin import register
-    from .vllm_site import vllm_environment
+    from ..vllm.plugin import register
+    from ..vllm.site import vllm_environment
 
     vllm_environment()
     register()
@@ -101,8 +101,8 @@ def run_engine(preset: str, args, new_tokens: int) -> dict:
     import kernels
 
     from .benchmark import build
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from ..engine import Engine
+    from ..sampling import SamplingParams
 
     kernels.register()
     engine = Engine(build(preset), None, max_model_len=args.prompt_len + new_tokens, prefill_chunk_size=8192)
@@ -167,7 +167,7 @@ def main() -> None:
         common = ["--prompts", str(prompts), "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
                   "--vllm-memory", str(args.vllm_memory), *(["--vllm-eager"] if args.vllm_eager else [])]
         fields = (system, model, new_tokens, path)
-        cmd = [sys.executable, "-m", "pipeline.rollout.bench_vllm", *common, "--child", *map(str, fields)]
+        cmd = [sys.executable, "-m", "pipeline.rollout.bench.bench_vllm", *common, "--child", *map(str, fields)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if args.results is not None:  # vLLM's own log says how it ran (CUDA graphs, KV cache size, concurrency)
             log = args.results.with_name(f"{args.results.stem}-{system}-{model}-{new_tokens}.log")

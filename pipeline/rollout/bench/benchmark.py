@@ -1,7 +1,7 @@
 """Rollout throughput on one GPU: our engine against Hugging Face ``generate``; prints markdown tables.
 
-    python -m pipeline.rollout.benchmark                       # defaults below
-    python -m pipeline.rollout.benchmark --new-tokens 8192     # longer generations
+    python -m pipeline.rollout.bench.benchmark                       # defaults below
+    python -m pipeline.rollout.bench.benchmark --new-tokens 8192     # longer generations
 
 Models have random weights (throughput does not depend on them); EOS is ignored so every sample runs to
 ``--new-tokens``. Rows: the engine on the 2B SSE-H preset (``--prompts`` x ``--samples`` sequences), HF
@@ -21,8 +21,8 @@ import torch
 from kernels.bench.bench_sse import copy_bandwidth
 from sse_model.cache import SlotCache
 
-from .engine import Engine
-from .sampling import SamplingParams
+from ..engine import Engine
+from ..sampling import SamplingParams
 
 
 def build(preset: str):

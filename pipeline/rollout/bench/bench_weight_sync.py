@@ -5,8 +5,8 @@ does, and syncs it ``--repeats`` times into ``--engines`` rollout engines (bf16 
 ``object_store`` (put once, each engine loads) and ``broadcast`` (NCCL between GPUs, gloo on CPU; the engines'
 dtype, ~256 MB buckets). Prints the median seconds per sync and the rate in the engines' bytes.
 
-    python -m pipeline.rollout.bench_weight_sync --presets sse-h-100m sse-h-2b      # >= 2 GPUs
-    python -m pipeline.rollout.bench_weight_sync --presets sse-h-tiny --device cpu  # any machine
+    python -m pipeline.rollout.bench.bench_weight_sync --presets sse-h-100m sse-h-2b      # >= 2 GPUs
+    python -m pipeline.rollout.bench.bench_weight_sync --presets sse-h-tiny --device cpu  # any machine
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SyncBench:
     def __init__(self, preset: str, engines: int, method: str, device: str):
         from sse_model import SSEConfig, SSEForCausalLM
 
-        from .actor import EngineFleet
+        from ..actor import EngineFleet
 
         torch.manual_seed(0)
         config = SSEConfig.from_preset(preset)

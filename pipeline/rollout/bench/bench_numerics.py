@@ -6,8 +6,8 @@ trainer (float32 master weights under bf16 autocast on CUDA, one full forward as
 same tokens. Prints, per position, mean and max |logp_engine - logp_trainer| and the token-level importance ratio
 that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]). Random weights.
 
-    python -m pipeline.rollout.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
-    python -m pipeline.rollout.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
+    python -m pipeline.rollout.bench.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
+    python -m pipeline.rollout.bench.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from .engine import Engine
-from .sampling import SamplingParams
+from ..engine import Engine
+from ..sampling import SamplingParams
 
 
 def trainer_logprobs(model, ids: list[int], start: int, device: torch.device) -> torch.Tensor:

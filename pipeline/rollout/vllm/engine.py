@@ -3,7 +3,7 @@
 :class:`VllmEngine` has the methods GRPO's fleet and evaluation call on :class:`~pipeline.rollout.engine.Engine`
 (``add_request``/``step``/``has_unfinished``, ``generate``, ``sleep``/``wake_up``, ``update_weights``,
 ``capacity``, ``get_stats``) over ``vllm.LLM``, which serves the checkpoint through this package's plugin
-(:mod:`pipeline.rollout.vllm_plugin`). vLLM runs in the calling process and samples with its own sampler; each
+(:mod:`pipeline.rollout.vllm.plugin`). vLLM runs in the calling process and samples with its own sampler; each
 token's log-probability is taken after temperature (vLLM's ``processed_logprobs``), as the engine's, which
 differ only where top-p / top-k cut the distribution (vLLM renormalises over what they keep).
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .engine import CompletionOutput, RequestOutput
-from .sampling import SamplingParams
+from ..engine import CompletionOutput, RequestOutput
+from ..sampling import SamplingParams
 
 
 def import_vllm():
@@ -26,7 +26,7 @@ def import_vllm():
         raise ImportError(
             "engine.backend: vllm needs vLLM 0.25.1, which is not importable here "
             f"({error}); pip install 'sse-pipeline[vllm]', or bring it to a machine without a package index "
-            "with python -m pipeline.rollout.vllm_site; engine.backend: sse is this package's engine"
+            "with python -m pipeline.rollout.vllm.site; engine.backend: sse is this package's engine"
         ) from error
     return vllm
 
@@ -69,8 +69,8 @@ class VllmEngine:
         if not isinstance(model, (str, Path)):
             raise TypeError("engine.backend: vllm serves a checkpoint folder; got a model object")
         import_vllm()
-        from .vllm_plugin import register
-        from .vllm_site import vllm_environment
+        from .plugin import register
+        from .site import vllm_environment
 
         vllm_environment()
         register()

@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` in each of its processes through the ``vllm.general_plugins`` entry point
 (``pyproject.toml``); it registers ``SSEForCausalLM`` with vLLM's ``ModelRegistry`` (the model itself is
-:mod:`pipeline.rollout.vllm_model`, imported by vLLM only when it loads such a checkpoint). In vLLM:
+:mod:`pipeline.rollout.vllm.model`, imported by vLLM only when it loads such a checkpoint). In vLLM:
 
 - softmax-attention layers (``attn``, ``swa``) run through vLLM's ``Attention`` (paged KV cache, its kernels);
 - linear layers (``sse``, ``gla``, ``gdn``, ``retnet``) are stateful, mamba-style layers: vLLM keeps one state row
@@ -26,7 +26,7 @@ from sse_model.cache import LinearLayerState
 from sse_model.layers.common import ForwardContext
 
 ARCHITECTURE = "SSEForCausalLM"
-MODEL_CLASS = "pipeline.rollout.vllm_model:SSEForCausalLMVllm"
+MODEL_CLASS = "pipeline.rollout.vllm.model:SSEForCausalLMVllm"
 LINEAR_MIXERS = ("sse", "gla", "gdn", "retnet")
 STATE_DTYPE = torch.float32  # as the rollout engine keeps them
 

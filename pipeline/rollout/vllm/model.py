@@ -1,4 +1,4 @@
-"""``SSEForCausalLM`` as a vLLM model (the design: :mod:`pipeline.rollout.vllm_plugin`). Imported by vLLM only.
+"""``SSEForCausalLM`` as a vLLM model (the design: :mod:`pipeline.rollout.vllm.plugin`). Imported by vLLM only.
 
 vLLM hands the model a flat batch of tokens, decodes first, then prompts (or prompt chunks); per layer it binds
 ``kv_cache`` (attention: paged KV; linear layers: the tuple of state tensors, ``[rows, *shape]``) and, per forward,
@@ -23,7 +23,7 @@ from sse_model import SSEForCausalLM
 from sse_model.configuration_sse import ATTENTION_MIXERS
 from sse_model.modules import RotaryEmbedding, project
 
-from .vllm_plugin import check_supported, run_linear_layer, state_dtypes, state_shapes, vllm_weight_name
+from .plugin import check_supported, run_linear_layer, state_dtypes, state_shapes, vllm_weight_name
 
 
 def _register(vllm_config: VllmConfig, prefix: str, layer: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """Where a decode step of the rollout engine spends its time (GPU); prints markdown tables.
 
-    python -m pipeline.rollout.profile_engine --preset sse-h-2b --sequences 256 --context 1024
+    python -m pipeline.rollout.bench.profile_engine --preset sse-h-2b --sequences 256 --context 1024
 
 ``--sequences`` rows (``--samples`` per prompt, prompts of ``--context`` tokens, random weights) are prefilled
 (one sample per prompt by default: samples of one prompt share its KV blocks, which attention then reads largely
@@ -25,8 +25,8 @@ import torch
 from kernels.bench.bench_sse import copy_bandwidth
 
 from .benchmark import build, decode_step_bytes
-from .engine import Engine
-from .sampling import SamplingParams, sample
+from ..engine import Engine
+from ..sampling import SamplingParams, sample
 
 
 def median_ms(fn, repeats: int, reset=None) -> float:

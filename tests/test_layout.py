@@ -1,0 +1,89 @@
+"""The house's layout: every dependency between the project's modules runs one way (no import circles, counting the
+imports inside functions too), and the rollout folder keeps each job in its own place."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("sse_model", "kernels", "pipeline", "rewards", "eval")
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports anywhere in its body; a submodule's use of its own
+    package's ``__init__`` (a helper defined there) is not a dependency back up."""
+    files = {}
+    for path in (p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                found = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in found:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    graph = module_imports()
+    # the graph sees imports inside functions: the kernels' registration and the chunk plan, one way each
+    assert "sse_model.ops.dispatch" in graph["kernels.backend"] and "kernels.plan" in graph["kernels.sse_chunk"]
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_circle_through_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_rollout_folder_keeps_one_job_per_place():
+    """The engine at the top of ``pipeline/rollout``; vLLM integration and the measurements in their folders."""
+    top = {p.stem for p in (ROOT / "pipeline" / "rollout").glob("*.py")}
+    assert not {name for name in top if name.startswith(("vllm", "bench", "profile"))}, top
+    assert {"engine", "sampling", "actor", "weight_sync"} <= top
+    assert (ROOT / "pipeline" / "rollout" / "vllm" / "plugin.py").exists()
+    assert (ROOT / "pipeline" / "rollout" / "bench" / "benchmark.py").exists()
