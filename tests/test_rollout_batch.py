@@ -29,7 +29,9 @@ def test_accuracy_decides_which_groups_are_informative():
     accuracy = [0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
     assert informative_groups(accuracy, advantages, 2).tolist() == [False, False, True]
     assert informative_groups(None, advantages, 2).tolist() == [True, False, True]
-    assert informative_groups([None, 1.0, 0.0, 0.0, 1.0, 1.0], advantages, 2).tolist() == [True, False, False]
+    # None: a row left unscored (truncated under mask_truncated_completions); one scored row cannot vary
+    assert informative_groups([None, 1.0, 0.0, 0.0, 1.0, 1.0], advantages, 2).tolist() == [False, False, False]
+    assert informative_groups([None, 1.0, 0.0, None, 1.0, 1.0], advantages, 3).tolist() == [True, False]
 
 
 def test_groups_from_two_rounds_merge_with_prompts_left_and_completions_right_padded():
@@ -67,3 +69,62 @@ def test_engine_correction_truncates_or_masks_per_token():
     assert engine_correction(trainer, engine, mask, "token_mask", 2.0)[0][0, 0] == 1.0
     with pytest.raises(ValueError, match="sequence_mask"):
         engine_correction(trainer, engine, mask, "sequence_mask", 2.0)
+
+
+class FixedCompletions:
+    """The engine fleet's interface (``generate``, ``update_weights``) answering every request with given completions
+    (token ids; EOS-ended or cut at the length limit), so a group's rewards are known."""
+
+    def __init__(self, completions: list[list[int]]):
+        self.completions = completions
+
+    def update_weights(self, state_dict):
+        pass
+
+    def generate(self, prompt_ids, params):
+        from pipeline.rollout import CompletionOutput, RequestOutput
+
+        return [RequestOutput(str(i), None, ids, [CompletionOutput(j, "", list(c), [-1.0] * len(c), None)
+                                                  for j, c in enumerate(self.completions[:p.n])])
+                for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+
+
+def grpo_trainer(tmp_path, completions, overrides):
+    from datasets import Dataset
+
+    from pipeline.metrics import Timer
+    from pipeline.models import TRAINING_DTYPE, load_model, resolve_device
+    from pipeline.recipe import load_recipe
+    from pipeline.stages.grpo import SSEGRPOTrainer, build_rewards, grpo_config
+    from rewards import MathVerifier
+
+    recipe = load_recipe("demo", ["grpo.prompts_per_batch=1", "grpo.num_generations=8", *overrides])
+    model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
+    funcs, weights = build_rewards(recipe, Timer(), MathVerifier(),
+                                   {tokenizer.eos_token_id, tokenizer.pad_token_id})
+    args = grpo_config(recipe, tmp_path, resolve_device("cpu"))
+    args.reward_weights = weights
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in completions]
+    limit = recipe.grpo.max_completion_length
+    ids = [(c + [tokenizer.eos_token_id]) if not text.endswith("...") else (c * limit)[:limit]
+           for c, text in zip(ids, completions)]
+    data = Dataset.from_list([{"prompt": "What is 1+2?", "answer": "3"}])
+    trainer = SSEGRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=data,
+                             processing_class=tokenizer, fleet=FixedCompletions(ids))
+    return trainer, [data[0]] * 8
+
+
+def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path):
+    """The paper recipe's setting (overlong penalty on, truncated completions masked): a group of 8 with 1 right, 3
+    wrong and 4 cut at the length limit. The truncated rows get advantage 0 and the advantages of the rows in the
+    loss sum to zero; scored, the truncated rows' -1 dragged the baseline down and gave the wrong answers +0.50."""
+    right, wrong, cut = "So \\boxed{3}", "So \\boxed{4}", "so so so ..."
+    trainer, inputs = grpo_trainer(tmp_path, [right, wrong, wrong, wrong, cut, cut, cut, cut], [
+        "grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0", "grpo.rewards.format=0.0",
+        "grpo.dynamic_sampling=false", "grpo.importance_sampling=none", "grpo.max_completion_length=16"])
+    batch = trainer._generate_and_score_completions(inputs)
+    advantages, in_loss = batch["advantages"], batch["completion_mask"].sum(1) > 0
+    assert in_loss.tolist() == [True] * 4 + [False] * 4
+    assert advantages[4:].abs().max() == 0
+    assert abs(float(advantages[in_loss].sum())) < 1e-5
+    assert advantages[0] > 0 and (advantages[1:4] < 0).all()

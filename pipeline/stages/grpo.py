@@ -77,19 +77,43 @@ def timed(reward, timer: Timer, name: str):
     return call
 
 
-def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier):
+def unscored_if_truncated(reward, end_ids: set[int]):
+    """``reward`` with None for the completions cut at the length limit (last token neither EOS nor pad: TRL's test
+    for ``mask_truncated_completions``). TRL leaves a row whose every reward is None out of its group's mean and std
+    and gives it advantage 0. Scored, a truncated row still set its group's baseline while masked out of the loss:
+    with the overlong penalty (-1, below a finished wrong answer) it pushed every finished row's advantage up, wrong
+    answers included, and the advantages left in the loss no longer summed to zero."""
+    def call(*args, completion_ids=None, **kwargs):
+        if completion_ids is None:
+            raise ValueError("masking truncated completions needs completion_ids, which TRL passes")
+        values = reward(*args, completion_ids=completion_ids, **kwargs)
+        call.last_stats = getattr(reward, "last_stats", None)
+        return [None if not ids or ids[-1] not in end_ids else v for v, ids in zip(values, completion_ids)]
+
+    call.__name__ = getattr(reward, "__name__", type(reward).__name__)
+    call.last_stats = None
+    return call
+
+
+def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier, end_ids: set[int] | None = None):
+    """The recipe's reward functions and weights; with ``grpo.mask_truncated_completions``, ``end_ids`` (the
+    tokenizer's EOS and pad ids) tell finished completions from truncated ones, which are left unscored."""
     cfg = recipe.grpo.rewards
     funcs, weights = [], []
-    if cfg.accuracy:
-        funcs.append(timed(AccuracyReward(verifier), timer, "accuracy"))
-        weights.append(cfg.accuracy)
-    if cfg.format:
-        funcs.append(timed(FormatReward(cfg.format_min_reasoning_chars), timer, "format"))
-        weights.append(cfg.format)
-    if cfg.overlong:
-        cache = min(cfg.overlong_cache, recipe.grpo.max_completion_length)
-        funcs.append(timed(OverlongPenalty(recipe.grpo.max_completion_length, cache), timer, "overlong"))
-        weights.append(cfg.overlong)
+    candidates = [(cfg.accuracy, "accuracy", lambda: AccuracyReward(verifier)),
+                  (cfg.format, "format", lambda: FormatReward(cfg.format_min_reasoning_chars)),
+                  (cfg.overlong, "overlong", lambda: OverlongPenalty(recipe.grpo.max_completion_length,
+                                                                     min(cfg.overlong_cache,
+                                                                         recipe.grpo.max_completion_length)))]
+    for weight, name, make in candidates:
+        if weight:
+            reward = make()
+            if recipe.grpo.mask_truncated_completions:
+                if end_ids is None:
+                    raise ValueError("grpo.mask_truncated_completions needs the tokenizer's EOS and pad ids")
+                reward = unscored_if_truncated(reward, end_ids)
+            funcs.append(timed(reward, timer, name))
+            weights.append(weight)
     if not funcs:
         raise ValueError("grpo.rewards: every reward weight is 0")
     return funcs, weights
@@ -322,7 +346,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     verifier = MathVerifier(pool=VerifierPool(num_workers=recipe.grpo.rewards.workers,
                                               timeout=recipe.grpo.rewards.timeout),
                             strict=recipe.grpo.rewards.strict_boxed)
-    funcs, weights = build_rewards(recipe, timer, verifier)
+    funcs, weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
     fleet = fleet_factory(start_from)
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
         engines = fleet.get_stats()

@@ -13,14 +13,17 @@ import torch
 COUNT_KEYS = ("num_items_in_batch",)
 
 
-def informative_groups(accuracy: list[float] | None, advantages: torch.Tensor, group_size: int) -> torch.Tensor:
+def informative_groups(accuracy: list[float | None] | None, advantages: torch.Tensor, group_size: int) -> torch.Tensor:
     """``[groups]`` bool: the groups whose accuracy varies (DAPO's criterion: all right or all wrong teaches nothing,
-    whatever the overlong penalty or the format reward add). Without an accuracy reward, the groups whose
-    advantages are not all zero."""
+    whatever the overlong penalty or the format reward add) among their scored rows (None: a row left unscored,
+    e.g. a truncated one under ``mask_truncated_completions``, which has no advantage). Without an accuracy reward,
+    the groups whose advantages are not all zero."""
     if accuracy is not None:
         values = torch.tensor([float("nan") if a is None else a for a in accuracy]).view(-1, group_size)
-        values = values.nan_to_num(0.0)
-        return (values.amax(dim=1) - values.amin(dim=1) > 1e-6).to(advantages.device)
+        scored = ~values.isnan()
+        high = values.masked_fill(~scored, float("-inf")).amax(dim=1)
+        low = values.masked_fill(~scored, float("inf")).amin(dim=1)
+        return ((scored.sum(dim=1) > 1) & (high - low > 1e-6)).to(advantages.device)
     return (advantages.view(-1, group_size) != 0).any(dim=1)
 
 
