@@ -133,7 +133,8 @@ class RewardConfig:
 class GRPOStageConfig:
     enabled: bool = True
     data: DataSpec = field(default_factory=lambda: DataSpec(source="math_train"))
-    steps: int = bounded(230, ge=1)  # optimizer steps (TRL's global step): generation batches x mini_batches
+    # optimizer steps (TRL's global step): generation batches x mini_batches x num_iterations
+    steps: int = bounded(230, ge=1)
     prompts_per_batch: int = bounded(32, ge=1)  # prompts in one generation batch (each sampled num_generations times)
     # PPO updates per generation batch: the batch is split into mini_batches optimizer steps (verl's
     # ppo_mini_batch_size), so later steps train on rollouts of an older policy and the clip acts
@@ -259,6 +260,13 @@ class Recipe:
                  f"into gradient_accumulation_steps ({g.gradient_accumulation_steps}) micro-batches each")
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
+        if g.dynamic_sampling and g.loss_type != "dapo":
+            # a batch still short after max_sampling_rounds is filled with groups masked out of the loss; dapo divides
+            # by the batch's real tokens, the others by rows or per micro-batch, where the filler shrinks the step
+            fail("grpo.dynamic_sampling", f"needs grpo.loss_type: dapo (the loss DAPO defines it with), got "
+                 f"{g.loss_type!r}: a short batch is filled with groups masked out of the loss, which {g.loss_type} "
+                 "counts in its normalisation (the step shrinks by the informative fraction); or set "
+                 "grpo.dynamic_sampling: false")
         if self.eval.enabled:
             from eval.benchmarks import BENCHMARKS
 

@@ -72,11 +72,12 @@ def test_engine_correction_truncates_or_masks_per_token():
 
 
 class FixedCompletions:
-    """The engine fleet's interface (``generate``, ``update_weights``) answering every request with given completions
-    (token ids; EOS-ended or cut at the length limit), so a group's rewards are known."""
+    """The engine fleet's interface (``generate``, ``update_weights``) answering with given completions (token ids;
+    EOS-ended or cut at the length limit), so each group's rewards are known: request after request takes the next
+    group of ``groups`` (cycling). Keeps the sampling parameters it was asked with."""
 
-    def __init__(self, completions: list[list[int]]):
-        self.completions = completions
+    def __init__(self, groups: list[list[list[int]]]):
+        self.groups, self.served, self.params = groups, 0, []
 
     def update_weights(self, state_dict):
         pass
@@ -84,12 +85,17 @@ class FixedCompletions:
     def generate(self, prompt_ids, params):
         from pipeline.rollout import CompletionOutput, RequestOutput
 
-        return [RequestOutput(str(i), None, ids, [CompletionOutput(j, "", list(c), [-1.0] * len(c), None)
-                                                  for j, c in enumerate(self.completions[:p.n])])
-                for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+        outputs = []
+        for ids, p in zip(prompt_ids, params):
+            group = self.groups[self.served % len(self.groups)]
+            self.served += 1
+            self.params.append(p)
+            outputs.append(RequestOutput(str(self.served), None, ids, [
+                CompletionOutput(j, "", list(c), [-1.0] * len(c), None) for j, c in enumerate(group[:p.n])]))
+        return outputs
 
 
-def grpo_trainer(tmp_path, completions, overrides):
+def grpo_trainer(tmp_path, groups: list[list[str]], overrides, prompts: int = 1):
     from datasets import Dataset
 
     from pipeline.metrics import Timer
@@ -98,28 +104,30 @@ def grpo_trainer(tmp_path, completions, overrides):
     from pipeline.stages.grpo import SSEGRPOTrainer, build_rewards, grpo_config
     from rewards import MathVerifier
 
-    recipe = load_recipe("demo", ["grpo.prompts_per_batch=1", "grpo.num_generations=8", *overrides])
+    recipe = load_recipe("demo", [f"grpo.prompts_per_batch={prompts}", "grpo.num_generations=8", *overrides])
     model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
     funcs, weights = build_rewards(recipe, Timer(), MathVerifier(),
                                    {tokenizer.eos_token_id, tokenizer.pad_token_id})
     args = grpo_config(recipe, tmp_path, resolve_device("cpu"))
     args.reward_weights = weights
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in completions]
     limit = recipe.grpo.max_completion_length
-    ids = [(c + [tokenizer.eos_token_id]) if not text.endswith("...") else (c * limit)[:limit]
-           for c, text in zip(ids, completions)]
-    data = Dataset.from_list([{"prompt": "What is 1+2?", "answer": "3"}])
+
+    def tokens(text):  # "..." at the end: cut at the length limit; else finished with EOS
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return (ids * limit)[:limit] if text.endswith("...") else ids + [tokenizer.eos_token_id]
+
+    data = Dataset.from_list([{"prompt": f"What is 1+{i}?", "answer": str(1 + i)} for i in range(1, 3)])
     trainer = SSEGRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=data,
-                             processing_class=tokenizer, fleet=FixedCompletions(ids))
-    return trainer, [data[0]] * 8
+                             processing_class=tokenizer, fleet=FixedCompletions([[tokens(t) for t in g] for g in groups]))
+    return trainer, [data[i] for i in range(prompts) for _ in range(8)]
 
 
 def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path):
     """The paper recipe's setting (overlong penalty on, truncated completions masked): a group of 8 with 1 right, 3
     wrong and 4 cut at the length limit. The truncated rows get advantage 0 and the advantages of the rows in the
     loss sum to zero; scored, the truncated rows' -1 dragged the baseline down and gave the wrong answers +0.50."""
-    right, wrong, cut = "So \\boxed{3}", "So \\boxed{4}", "so so so ..."
-    trainer, inputs = grpo_trainer(tmp_path, [right, wrong, wrong, wrong, cut, cut, cut, cut], [
+    right, wrong, cut = "So \\boxed{2}", "So \\boxed{4}", "so so so ..."
+    trainer, inputs = grpo_trainer(tmp_path, [[right, wrong, wrong, wrong, cut, cut, cut, cut]], [
         "grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0", "grpo.rewards.format=0.0",
         "grpo.dynamic_sampling=false", "grpo.importance_sampling=none", "grpo.max_completion_length=16"])
     batch = trainer._generate_and_score_completions(inputs)
@@ -128,3 +136,47 @@ def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path):
     assert advantages[4:].abs().max() == 0
     assert abs(float(advantages[in_loss].sum())) < 1e-5
     assert advantages[0] > 0 and (advantages[1:4] < 0).all()
+
+
+def test_data_parallel_workers_sample_with_their_own_seeds(tmp_path, monkeypatch):
+    """The same prompt on worker 0 and worker 1 of a generation batch: different seeds (they drew the same random
+    numbers for their i-th group before), the seeds worker 0 would give the batch's later groups."""
+    from accelerate import Accelerator
+
+    trainer, inputs = grpo_trainer(tmp_path, [["So \\boxed{3}"] * 8], ["grpo.dynamic_sampling=false"])
+    seeds = []
+    for rank in (0, 1):
+        monkeypatch.setattr(Accelerator, "process_index", property(lambda self, rank=rank: rank))
+        trainer.rollout([inputs[0]["prompt"]] * 8)
+        seeds.append(trainer.fleet.params[-1].seed)
+    assert seeds[0] != seeds[1]
+    monkeypatch.setattr(Accelerator, "process_index", property(lambda self: 0))
+    trainer.rollout([inputs[0]["prompt"]] * 8 + ["another prompt"] * 8)
+    assert trainer.fleet.params[-1].seed == seeds[1]  # worker 1's group 0 is the batch's group 1
+
+
+def test_dynamic_sampling_counts_surplus_informative_groups_as_dropped(tmp_path):
+    """Two prompts a batch: round 1 gives one informative group and one all wrong, round 2 two informative ones. The
+    batch keeps two, so two of the four sampled groups are dropped (the all-wrong one and a surplus informative one;
+    the surplus was not counted before)."""
+    right, wrong = "So \\boxed{2}", "So \\boxed{9}"
+    mixed, all_wrong = [right] * 4 + [wrong] * 4, [wrong] * 8
+    trainer, inputs = grpo_trainer(tmp_path, [mixed, all_wrong, mixed, mixed],
+                                   ["grpo.rewards.format=0.0", "grpo.importance_sampling=none"], prompts=2)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(inputs)
+    metrics = trainer._metrics["train"]
+    assert metrics["dynamic_sampling/rounds"] == [2] and metrics["dynamic_sampling/groups_dropped"] == [2]
+    assert len(batch["advantages"]) == 16 and batch["completion_mask"].sum(1).gt(0).all()
+
+
+def test_dynamic_sampling_needs_the_dapo_loss():
+    """A short batch is filled with masked groups; grpo and dr_grpo count its rows (the gradient halved with one
+    filler group of two), bnpo a micro-batch of filler alone: refused at load, naming the keys."""
+    from pipeline.recipe import RecipeError, load_recipe
+
+    for loss in ("grpo", "bnpo", "dr_grpo"):
+        with pytest.raises(RecipeError, match=f"grpo.dynamic_sampling: needs grpo.loss_type: dapo.*{loss}"):
+            load_recipe("demo", [f"grpo.loss_type={loss}"])
+        load_recipe("demo", [f"grpo.loss_type={loss}", "grpo.dynamic_sampling=false"])
+    load_recipe("demo", ["grpo.loss_type=dapo"])

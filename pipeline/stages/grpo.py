@@ -57,6 +57,13 @@ def sampling_key(step: int, round_: int) -> int:
     return step * MAX_SAMPLING_ROUNDS + round_
 
 
+def rollout_seed(seed: int, key: int, group: int) -> int:
+    """The seed of prompt group ``group`` of a sampling round's generation batch, counted over every data-parallel
+    worker (so no two workers share sampling noise, and a group's seeds do not depend on how many workers split the
+    batch); its ``n`` samples take the seeds after it (:func:`eval.generation.request_seed`)."""
+    return request_seed(seed, key, 1000 * group)
+
+
 def timed(reward, timer: Timer, name: str):
     """``reward`` timed, its verifier counts logged, and its last values kept (``last_values``, read by dynamic
     sampling)."""
@@ -181,8 +188,9 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
                  if isinstance(p, list) else p for p in prompts]
         groups = group_consecutive(texts, self.num_generations)
         key = sampling_key(self.state.global_step, self.sampling_round)
+        first = self.accelerator.process_index * len(groups)  # this worker's groups in the whole generation batch
         params = [SamplingParams(n=len(g), temperature=args.temperature, top_p=args.top_p,
-                                 max_tokens=args.max_completion_length, seed=request_seed(args.seed, key, 1000 * i),
+                                 max_tokens=args.max_completion_length, seed=rollout_seed(args.seed, key, first + i),
                                  logprobs=True) for i, g in enumerate(groups)]
         prompt_ids = [tokenizer(texts[g[0]], add_special_tokens=False)["input_ids"][-args.max_prompt_length:]
                       for g in groups]
@@ -287,7 +295,8 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/rounds"].append(rounds)
         metrics["dynamic_sampling/informative_fraction"].append(min(have, target) / target)
-        metrics["dynamic_sampling/groups_dropped"].append(sampled - have)
+        # every sampled group that does not train this step: uninformative ones and informative ones beyond the target
+        metrics["dynamic_sampling/groups_dropped"].append(sampled - min(have, target))
         return out
 
     def _fresh_groups(self, count: int, round_: int) -> list[dict]:
