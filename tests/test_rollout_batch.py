@@ -180,3 +180,20 @@ def test_dynamic_sampling_needs_the_dapo_loss():
             load_recipe("demo", [f"grpo.loss_type={loss}"])
         load_recipe("demo", [f"grpo.loss_type={loss}", "grpo.dynamic_sampling=false"])
     load_recipe("demo", ["grpo.loss_type=dapo"])
+
+
+def test_masked_tokens_leave_the_token_count(tmp_path):
+    """Under token_mask (MIS) a token whose trainer / engine ratio lies outside [1 / cap, cap] leaves the loss: it is
+    out of completion_mask and of num_items_in_batch, which dapo divides by (it counted there before, shrinking
+    the step)."""
+    trainer, _ = grpo_trainer(tmp_path, [["So \\boxed{2}"] * 8], ["grpo.importance_sampling=token_mask",
+                                                                   "grpo.importance_sampling_cap=2.0"])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    trainer_logps = torch.full((2, 4), -1.0)
+    engine_logps = trainer_logps + torch.tensor([[0.0, 2.0, 0.0, -2.0], [0.1, 0.0, 3.0, 0.0]])  # ratios e^-2 .. e^2
+    batch = {"completion_mask": mask, "advantages": torch.tensor([1.0, -1.0]), "old_per_token_logps": trainer_logps,
+             "sampling_per_token_logps": engine_logps, "num_items_in_batch": mask.sum()}
+    out = trainer._correct_for_the_engine(batch)
+    assert out["completion_mask"].tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
+    assert int(out["num_items_in_batch"]) == 4
+    assert (out["advantages"][out["completion_mask"] == 0] == 0).all()

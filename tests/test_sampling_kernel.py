@@ -41,3 +41,28 @@ def test_race_sample_refuses_rows_that_are_not_contiguous():
     with pytest.raises(ValueError, match="contiguous rows"):
         zeros = torch.zeros(4, dtype=torch.long)
         race_sample(torch.zeros(8, 4).t(), torch.ones(4), zeros, zeros)
+
+
+def test_logprobs_are_those_of_the_distribution_sampled():
+    """With top-p / top-k the returned log-probability is the token's under the renormalised distribution the
+    race drew from (vLLM's processed_logprobs): GRPO divides the trainer's probability by it. Without filtering it
+    is the temperature-scaled softmax's."""
+    from pipeline.rollout.sampling import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    temperature = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 1.0])
+    top_p = torch.tensor([0.5, 0.9, 1.0, 0.3, 1.0, 0.8])
+    top_k = torch.tensor([0, 0, 5, 0, 0, 3])
+    seeds, steps = torch.arange(6) + 100, torch.zeros(6, dtype=torch.long)
+    tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, steps)
+    for b in range(6):
+        p = torch.softmax(logits[b] / temperature[b], -1)
+        order = p.argsort(descending=True)
+        keep = order[:int(top_k[b])] if top_k[b] > 0 else order
+        mass = p[keep].cumsum(0) - p[keep]
+        keep = keep[(mass < top_p[b]) | (torch.arange(len(keep)) == 0)]
+        assert int(tokens[b]) in keep.tolist()
+        want = torch.log(p[tokens[b]] / p[keep].sum())
+        torch.testing.assert_close(logprobs[b], want, atol=1e-5, rtol=1e-5)
+    assert float(logprobs[4]) == pytest.approx(float(torch.log_softmax(logits[4], -1)[tokens[4]]), abs=1e-6)

@@ -25,7 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    logprobs: bool = True  # log-probability of each sampled token (temperature-scaled, before top-p/top-k)
+    logprobs: bool = True  # log-probability of each sampled token under the distribution sampled (after top-p/top-k)
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, default_factory=list)
 
@@ -85,8 +85,9 @@ def sample(
     ``temperature == 0`` is greedy. Otherwise the distribution ``softmax(logits / T)`` is restricted to
     its top-k tokens and to the smallest top set of probability >= top_p, and one token is drawn with the
     exponential race ``argmax p_i / E_i`` (``E_i = -log u_i``; computed as ``argmax logits_i / T - log E_i``),
-    which samples exactly from it. The returned log-probability is ``log_softmax(logits / T)`` of the chosen
-    token (``T = 1`` when greedy).
+    which samples exactly from it. The returned log-probability is the chosen token's under the distribution it
+    was drawn from: ``log_softmax(logits / T)`` renormalised over the tokens top-k / top-p keep (``T = 1`` when
+    greedy), as vLLM's ``processed_logprobs``, so that GRPO's importance weights ``pi / q`` see the real ``q``.
 
     ``need_filter``: whether any row has top-p < 1 or top-k > 0, when the caller knows it (the engine does,
     from its requests); unknown, it is read from the tensors on the CPU and assumed on a GPU (no host sync).
@@ -111,6 +112,7 @@ def sample(
         keep_sorted &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         scaled = torch.where(keep, scaled, float("-inf"))
+        logprobs = torch.log_softmax(scaled, dim=-1)
     race = scaled - torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
     tokens = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

@@ -230,6 +230,9 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
                                            self.args.importance_sampling, self.args.importance_sampling_cap)
         advantages = batch["advantages"]
         batch["advantages"] = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
+        if self.args.importance_sampling == "token_mask":  # masked tokens leave the loss and its token count
+            batch["completion_mask"] = batch["completion_mask"] * (weights != 0)
+            batch["num_items_in_batch"] = self.accelerator.gather(batch["completion_mask"].sum()).sum()
         mode = "train" if self.model.training else "eval"
         for name, value in stats.items():
             reduce = {"min": torch.min, "max": torch.max}.get(name.rsplit("/", 1)[-1], torch.mean)

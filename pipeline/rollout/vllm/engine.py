@@ -4,8 +4,8 @@
 (``add_request``/``step``/``has_unfinished``, ``generate``, ``sleep``/``wake_up``, ``update_weights``,
 ``capacity``, ``get_stats``) over ``vllm.LLM``, which serves the checkpoint through this package's plugin
 (:mod:`pipeline.rollout.vllm.plugin`). vLLM runs in the calling process and samples with its own sampler; each
-token's log-probability is taken after temperature (vLLM's ``processed_logprobs``), as the engine's, which
-differ only where top-p / top-k cut the distribution (vLLM renormalises over what they keep).
+token's log-probability is taken under the distribution sampled (vLLM's ``processed_logprobs``: after temperature
+and top-p / top-k, renormalised over what they keep), as the engine's.
 """
 
 from __future__ import annotations
