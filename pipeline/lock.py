@@ -50,6 +50,10 @@ class RunLock:
                 except (OSError, ValueError):
                     holder = {}
                 pid, host = holder.get("pid"), holder.get("host")
+                if not isinstance(holder, dict) or pid is None:
+                    raise RunLockedError(
+                        f"{self.path} exists but names no run (empty or unreadable: a run died while taking it, or "
+                        f"one is taking it right now); if no run uses {self.path.parent}, remove {self.path}") from None
                 if host == me["host"] and isinstance(pid, int) and not _alive(pid):
                     log.warning("%s: taking over the lock of run %s, which no longer exists", self.path.parent, pid)
                     self.path.unlink(missing_ok=True)

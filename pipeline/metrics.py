@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -49,6 +50,21 @@ class MetricsLogger(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last, self._last_step = time.perf_counter(), state.global_step
+        if state.is_world_process_zero:
+            self.forget_after(state.global_step)
+
+    def forget_after(self, step: int) -> None:
+        """Drops the records of steps after ``step`` (a run resumed from its checkpoint at ``step`` logs them again;
+        kept, every curve and report would count them twice). Rewritten atomically."""
+        rows = read_metrics(self.path)
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        if len(keep) == len(rows):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+        logger.info("%s: dropped %d records of the steps after %d, which the resumed run logs again", self.path,
+                    len(rows) - len(keep), step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:

@@ -5,8 +5,9 @@ receives the models a stage hands on (the initial model, each stage's final mode
 checkpoints, which a re-run on another node fetches to resume from. A model is then passed
 between stages, and to rollout engines and evaluation workers, as its stored URI; whichever node needs it
 materialises it into its own cache (``$SSE_PIPELINE_CACHE/storage``, default ``~/.cache/sse-pipeline``) once.
-An upload writes a marker last (every file and its size), so a reader never takes a partial copy, and a
-download is checked against it before it is renamed into place.
+An upload writes a marker last (every file with its size and SHA-256), so a reader never takes a partial copy, a
+download is checked against it before it is renamed into place, and a folder of the same file names and sizes but
+other contents (other weights of one architecture) is never taken for the stored one.
 """
 
 from __future__ import annotations
@@ -46,13 +47,28 @@ def _filesystem(uri: str):
                          "such as s3://bucket/path") from error
 
 
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def inventory(local: Path) -> dict[str, list]:
+    """Every file of the directory ``local`` (its marker aside): relative name -> ``[size, sha256]``."""
+    local = Path(local)
+    return {p.relative_to(local).as_posix(): [p.stat().st_size, sha256_file(p)]
+            for p in sorted(local.rglob("*")) if p.is_file() and p.name != MARKER}
+
+
 def upload(local: Path, uri: str) -> str:
-    """Copies the directory ``local`` to ``uri`` (replacing what was there) and returns ``uri``."""
+    """Copies the directory ``local`` to ``uri`` (replacing what was there unless it holds the same contents) and
+    returns ``uri``."""
     from pyarrow import fs as pafs
 
     local = Path(local)
-    files = {p.relative_to(local).as_posix(): p.stat().st_size
-             for p in sorted(local.rglob("*")) if p.is_file() and p.name != MARKER}
+    files = inventory(local)
     fs, path = _filesystem(uri)
     if (_marker(fs, path) or {}).get("files") == files:  # already there (a re-run of a finished stage)
         return uri
@@ -69,7 +85,8 @@ def upload(local: Path, uri: str) -> str:
 
 
 def _marker(fs, path: str) -> dict | None:
-    """The marker of a complete stored copy at ``path`` (``files``: name -> size, ``stored``: when), or None."""
+    """The marker of a complete stored copy at ``path`` (``files``: name -> ``[size, sha256]``, ``stored``: when),
+    or None."""
     try:
         with fs.open_input_stream(f"{path}/{MARKER}") as f:
             return json.loads(f.read())
@@ -129,10 +146,14 @@ def _download(uri: str, tmp: Path) -> None:
     tmp.mkdir(parents=True)
     pafs.copy_files(path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
     (tmp / MARKER).unlink(missing_ok=True)
-    for name, size in files.items():
-        if not (tmp / name).is_file() or (tmp / name).stat().st_size != size:
+    for name, entry in files.items():
+        size, digest = entry if isinstance(entry, list) else (entry, None)  # markers of older uploads: sizes only
+        got = tmp / name
+        if not got.is_file() or got.stat().st_size != size or (digest is not None and sha256_file(got) != digest):
+            what = "is missing" if not got.exists() else "does not match the size and SHA-256 its marker records"
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(f"{uri}: {name} did not arrive whole; the stored copy changed while it was read?")
+            raise OSError(f"{uri}: {name} {what}: the stored copy is damaged (or was replaced while it was read); "
+                          f"store it again, e.g. --redo the stage that wrote it")
 
 
 def is_complete(uri: str) -> bool:

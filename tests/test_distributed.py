@@ -60,6 +60,26 @@ def test_storage_round_trip_is_complete_or_refused(tmp_path, monkeypatch):
         materialize(uri)
 
 
+def test_storage_tells_contents_apart_not_only_sizes(tmp_path, monkeypatch):
+    """Model B of model A's architecture (same file names and sizes, other weights) stored where A was replaces A,
+    and every node then materialises B; a stored file damaged in place is refused, naming it. (Compared by size,
+    B's evaluation scored A again.)"""
+    from pipeline.storage import materialize, storage_uri, upload
+
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path / "cache"))
+    uri = storage_uri(str(tmp_path / "store"), "run", "eval-model")
+    for name, byte in (("a", b"a"), ("b", b"b")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(byte * 1000)
+        upload(tmp_path / name, uri)
+        assert (materialize(uri) / "model.safetensors").read_bytes() == byte * 1000
+    stored = tmp_path / "store" / "run" / "eval-model" / "model.safetensors"
+    stored.write_bytes(b"c" * 1000)  # same size, other bytes
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path / "another-node"))
+    with pytest.raises(OSError, match="model.safetensors does not match the size and SHA-256.*damaged"):
+        materialize(uri)
+
+
 def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypatch):
     """Two Ray nodes on this machine, each with its own cache folder (where it puts the models it fetches) and no
     output path in common: GRPO's trainer on the head, its rollout engine on the second node (asked for with

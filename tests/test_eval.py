@@ -199,3 +199,12 @@ def test_a_prompt_over_the_limit_does_not_abort_the_evaluation(tmp_path, policy)
     assert metrics["problems"] == 2
     assert (metrics["prompts_too_long"], metrics["prompts_truncated"]) == ((1, 0) if policy == "skip" else (0, 1))
     assert ("not generated" if policy == "skip" else "shortened") in (out / "results.md").read_text()
+
+
+def test_a_benchmark_file_without_problems_is_named(tmp_path):
+    from eval.benchmarks import load_problems
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty.jsonl: no problems"):
+        load_problems(str(empty))

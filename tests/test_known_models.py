@@ -192,3 +192,20 @@ def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
         text = row["completion"][0]["content"]
         assert "<<" not in text and "####" not in text
         assert extract_answer(text) == prompt["answer"], text
+
+
+def test_a_damaged_cached_model_is_refused_on_use(tmp_path, monkeypatch):
+    """The cached file is checked against its SHA-256 whenever a recipe names the model: 20 MB overwritten inside
+    the cached GGUF (same size) converted into 87 NaN tensors without a word."""
+    from pipeline import known_models
+
+    payload = b"GGUF" + bytes(range(256)) * 10
+    source = ModelSource("tiny-model-pkg", "1.0", "tiny_model_pkg/model.gguf", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(known_models.KNOWN_MODELS, "tiny", source)
+    cached = known_models.cached_path("tiny", source, tmp_path)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(payload)
+    assert resolve("tiny", tmp_path) == str(cached)
+    cached.write_bytes(payload[:100] + bytes(20) + payload[120:])  # same size
+    with pytest.raises(FetchError, match="damaged or replaced.*run: sse-pipeline models fetch tiny"):
+        resolve("tiny", tmp_path)

@@ -184,6 +184,42 @@ def test_a_torn_metrics_line_hides_nothing_after_it(tmp_path, caplog):
     assert "metrics.jsonl:2" in caplog.text
 
 
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """A run killed after logging step 5 but checkpointed at step 3 logs steps 4 and 5 again when it resumes: the
+    logger drops their first records when training begins, so reports and curves count each step once."""
+    from transformers import TrainerState
+
+    from pipeline.metrics import MetricsLogger, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(1, 6)))
+    logger = MetricsLogger(path)
+    logger.on_train_begin(None, TrainerState(global_step=3), None)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    logger.on_train_begin(None, TrainerState(global_step=0), None)  # a fresh run (another stage's file) as well
+    assert read_metrics(path) == []
+
+
+def test_an_empty_lock_file_is_named_not_misread(tmp_path):
+    from pipeline.lock import LOCK_NAME, RunLock, RunLockedError
+
+    (tmp_path / LOCK_NAME).write_text("")
+    with pytest.raises(RunLockedError, match=f"{LOCK_NAME} exists but names no run.*remove"):
+        with RunLock(tmp_path):
+            pass
+
+
+def test_grpo_data_with_an_empty_answer_is_refused(tmp_path):
+    """Evaluation refuses a record with an empty answer; GRPO took it and scored every completion wrong."""
+    from pipeline.data import prompt_dataset
+    from pipeline.recipe import DataSpec
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": "  "}\n')
+    with pytest.raises(ValueError, match="record 1: field 'answer' is empty"):
+        prompt_dataset(DataSpec(source=str(data)))
+
+
 @pytest.mark.parametrize("override, key", [
     ("eval.limit=-1", "eval.limit"),
     ("eval.repeats=0", "eval.repeats"),
