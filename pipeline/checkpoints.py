@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .storage import fetch_latest_checkpoint, storage_uri, store_checkpoint
+from .storage import fetch_latest_checkpoint, store_checkpoint
 
 DONE = "stage_done.json"
 COMPLETE = "checkpoint_complete.json"
@@ -91,13 +91,13 @@ def latest_complete_checkpoint(directory: Path) -> Path | None:
     return None
 
 
-def resume_point(storage: str | None, run: str, stage: str, out_dir: Path) -> tuple[Path | None, str | None]:
-    """A training stage's checkpoint to resume from and where its checkpoints are stored (None without
-    storage): the newest complete one, fetched from storage first when this node has none as new."""
-    store = None if storage is None else storage_uri(storage, run, stage, "checkpoints")
+def resume_point(store: str | None, out_dir: Path) -> Path | None:
+    """A training stage's checkpoint to resume from: the newest complete one in ``out_dir/checkpoints``, fetched
+    first from ``store`` (where the stage stores its checkpoints, None without storage) when this node has none as
+    new."""
     if store is not None:
         fetch_latest_checkpoint(store, Path(out_dir) / "checkpoints")
-    return latest_complete_checkpoint(Path(out_dir) / "checkpoints"), store
+    return latest_complete_checkpoint(Path(out_dir) / "checkpoints")
 
 
 def save_final(model, tokenizer, directory: Path, info: dict) -> Path:

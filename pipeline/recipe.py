@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -207,6 +210,31 @@ class RayConfig:
     ship_project: bool = True
 
 
+# the recipe sections whose values change what a stage computes (ray, device, output_dir, name do not)
+STAGE_SETTINGS = {
+    "distill": ("model", "distill", "seed", "prompt_instruction", "precision"),
+    "grpo": ("model", "grpo", "seed", "prompt_instruction", "precision"),
+    "eval": ("eval", "seed", "prompt_instruction"),
+}
+# settings of where and on how many processes a stage runs: changing them never refuses a re-run, so that a
+# stage resumes on another number of workers (the same steps; GRPO's samples are seeded per worker)
+OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
+               "grpo.num_workers", "distill.num_workers")
+
+
+def _flat(data, prefix=""):
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def stage_settings(resolved: dict, stage: str) -> dict:
+    """The settings of ``stage`` in a resolved recipe (:func:`recipe_to_dict`), flat (``grpo.rewards.accuracy``),
+    the operational ones left out: what the stage computes, and so what it may resume from."""
+    flat = _flat({k: resolved.get(k) for k in STAGE_SETTINGS[stage]})
+    return {k: v for k, v in flat.items() if not any(k == o or k.startswith(o + ".") for o in OPERATIONAL)}
+
+
 @dataclass
 class Recipe:
     name: str = "recipe"
@@ -218,16 +246,33 @@ class Recipe:
     precision: str = bounded("auto", choices=("auto", "bf16-mixed", "fp32"))
     # where stages hand models on when nodes share no filesystem: a folder or a pyarrow.fs URI (s3://...)
     storage: str | None = None
+    # names this run's entries in storage (default: a hash of each stage's settings): runs of one recipe with
+    # other settings never share checkpoints, models or generations; a run_id shares them on purpose
+    run_id: str | None = None
     model: ModelSpec = field(default_factory=ModelSpec)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
     eval: EvalStageConfig = field(default_factory=EvalStageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def stored_at(self, stage: str, *parts: str) -> str | None:
+        """The storage URI of ``parts`` of ``stage`` (None without ``storage``): ``<name>/<stage>@<key>/...``, the key
+        ``run_id`` or a hash of the stage's settings. Runs of other settings sharing a storage location never take
+        each other's checkpoints, models or generations; the same run on another node finds them."""
+        if self.storage is None:
+            return None
+        from .storage import storage_uri
+
+        key = self.run_id or hashlib.sha1(json.dumps(stage_settings(recipe_to_dict(self), stage), sort_keys=True,
+                                                     default=str).encode()).hexdigest()[:12]
+        return storage_uri(self.storage, self.name, f"{stage}@{key}", *parts)
+
     def validate(self, where: str = "recipe") -> None:
         def fail(key, message):
             raise RecipeError(f"{where}: {key}: {message}")
 
+        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_id):
+            fail("run_id", f"letters, digits, '.', '_' and '-' only (it names a folder in storage), got {self.run_id!r}")
         m = self.model
         if sum(x is not None for x in (m.path, m.preset, m.convert_from)) != 1:
             fail("model", "give exactly one of path, preset, convert_from")

@@ -16,47 +16,27 @@ from pathlib import Path
 import ray
 import yaml
 
-from .checkpoints import is_done, latest_complete_checkpoint, save_final
+from .checkpoints import DONE, is_done, latest_complete_checkpoint, save_final
 from .distributed import is_main_process, run_data_parallel, world
 from .lock import RunLock
 from .metrics import read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
 from .placement import GRPOPlacement, plan_grpo, reserve
-from .recipe import Recipe, RecipeError, recipe_to_dict
-from .storage import is_stored, materialize, set_aside, storage_uri, upload
+from .recipe import Recipe, RecipeError, recipe_to_dict, stage_settings
+from .storage import is_stored, materialize, set_aside, upload
 
 logger = logging.getLogger(__name__)
 STAGES = ("distill", "grpo", "eval")
-# the recipe sections whose values change what a stage computes (ray, device, output_dir, name do not)
-STAGE_SETTINGS = {
-    "distill": ("model", "distill", "seed", "prompt_instruction", "precision"),
-    "grpo": ("model", "grpo", "seed", "prompt_instruction", "precision"),
-    "eval": ("eval", "seed", "prompt_instruction"),
-}
-
-
-# settings of where and on how many processes a stage runs: changing them never refuses a re-run, so that a
-# stage resumes on another number of workers (the same steps; GRPO's samples are seeded per worker)
-OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
-               "grpo.num_workers", "distill.num_workers")
 
 
 class StageSettingsChanged(RecipeError):
     pass
 
 
-def _flat(data, prefix=""):
-    if isinstance(data, dict):
-        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: data}
-
-
 def changed_settings(stage: str, before: dict, now: dict) -> list[str]:
     """``key: old -> new`` for every setting of ``stage`` that differs between two resolved recipes."""
-    old = _flat({k: before.get(k) for k in STAGE_SETTINGS[stage]})
-    new = _flat({k: now.get(k) for k in STAGE_SETTINGS[stage]})
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not any(k == o or k.startswith(o + ".") for o in OPERATIONAL)]
+    old, new = stage_settings(before, stage), stage_settings(now, stage)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
 def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bool:
@@ -77,7 +57,7 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
             aside = stage_dir.with_name(stage_dir.name + suffix)
             stage_dir.rename(aside)
             if recipe.storage is not None:  # its stored checkpoints must not be resumed from either
-                set_aside(storage_uri(recipe.storage, recipe.name, stage), suffix)
+                set_aside(recipe.stored_at(stage), suffix)
             fresh = True
             logger.warning("%s: running again; the previous outputs are in %s", stage, aside)
     if is_done(stage_dir / "final") or (stage == "eval" and (stage_dir / "summary.json").exists()):
@@ -144,12 +124,12 @@ def _task_setup():
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def _stored(recipe: Recipe, location: str | Path, key: str) -> str:
-    """A model this process has locally (the initial model, a --checkpoint), stored under ``key`` when the
-    recipe has a storage location, so that stages on other nodes can read it; else unchanged."""
+def _stored(recipe: Recipe, location: str | Path, stage: str) -> str:
+    """A model this process has locally (the initial model, a --checkpoint), stored as ``stage``'s starting model
+    when the recipe has a storage location, so that stages on other nodes can read it; else unchanged."""
     if recipe.storage is None or is_stored(location):
         return str(location)
-    return upload(Path(location), storage_uri(recipe.storage, recipe.name, key))
+    return upload(Path(location), recipe.stored_at(stage, "start"))
 
 
 def _hand_on(recipe: Recipe, stage: str, final: Path) -> str:
@@ -157,7 +137,7 @@ def _hand_on(recipe: Recipe, stage: str, final: Path) -> str:
     there is one (by the process that wrote it), else its local path."""
     if recipe.storage is None or not is_main_process():
         return str(final)
-    return upload(final, storage_uri(recipe.storage, recipe.name, stage, "final"))
+    return upload(final, recipe.stored_at(stage, "final"))
 
 
 def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
@@ -203,14 +183,38 @@ def _eval_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) 
 
 
 def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
-    """The recipe's starting model as a directory (built from a preset or converted, once)."""
+    """The recipe's starting model as a directory (built from a preset or converted), built again when the model
+    settings or the seed it was built with changed (the old one moved aside)."""
     if recipe.model.path is not None:
         return Path(recipe.model.path)
     path = out / "initial"
-    if not is_done(path):
-        model, tokenizer = load_model(recipe.model, None, seed=recipe.seed)
-        save_final(model, tokenizer, path, {"stage": "initial", "from": recipe.model.preset or recipe.model.convert_from})
+    settings = {"model": recipe_to_dict(recipe)["model"], "seed": recipe.seed}
+    if is_done(path):
+        built = json.loads((path / DONE).read_text()).get("settings")
+        if built == settings:
+            return path
+        aside = path.with_name(f"initial.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        path.rename(aside)
+        logger.warning("initial: the model settings changed since %s was built; building it again (the old one is "
+                       "in %s)", path, aside)
+    model, tokenizer = load_model(recipe.model, None, seed=recipe.seed)
+    save_final(model, tokenizer, path, {"stage": "initial", "from": recipe.model.preset or recipe.model.convert_from,
+                                        "settings": settings})
     return path
+
+
+def starting_model(recipe: Recipe, out: Path, stages: tuple[str, ...]) -> str | None:
+    """The model the first of ``stages`` starts from when no checkpoint is given: the final model of the last
+    training stage before it that the recipe enables and that has finished in ``out`` (``sse-pipeline eval`` on a
+    finished run scores its GRPO model, not a fresh initial one); None: the initial model."""
+    first = next((s for s in STAGES if s in stages and getattr(recipe, s).enabled), None)
+    before = STAGES[:STAGES.index(first)] if first else ()
+    for stage in reversed([s for s in before if s != "eval" and getattr(recipe, s).enabled]):
+        final = out / stage / "final"
+        if is_done(final):
+            logger.info("%s: starting from %s, the last finished stage's model", first, final)
+            return str(final)
+    return None
 
 
 def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | None = None,
@@ -238,7 +242,8 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
     init_ray(recipe, address)
     where = placement(recipe)
     logger.info("ray resources %s; placement %s", ray.cluster_resources(), where)
-    current = str(checkpoint) if checkpoint else None  # a local path or a stored URI (never a Path: "s3://")
+    # a local path or a stored URI (never a Path: "s3://")
+    current = str(checkpoint) if checkpoint else starting_model(recipe, out, stages)
     started = time.time()
     timings = {}
     redone = False
@@ -250,7 +255,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         stage_dir = out / stage
         redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
         if stage == "distill":
-            start = _stored(recipe, current, "distill-start") if current else None
+            start = _stored(recipe, current, "distill") if current else None
             if recipe.distill.num_workers > 1:
                 current = run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
                                             [where["train_worker"]] * recipe.distill.num_workers, "distill")
@@ -258,7 +263,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 task = ray.remote(**where["whole"])(_distill_task)
                 current = ray.get(task.remote(recipe, str(stage_dir), start))
         elif stage == "grpo":
-            start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo-start")
+            start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo")
             plan = where["grpo"]
             group = reserve(plan)
             try:
@@ -272,7 +277,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 if group is not None:
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
-            model_dir = _stored(recipe, current or initial_checkpoint(recipe, out), "eval-start")
+            model_dir = _stored(recipe, current or initial_checkpoint(recipe, out), "eval")
             task = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_eval_task)
             ray.get(task.remote(recipe, str(stage_dir), str(model_dir), where["eval_gpus"]))
         timings[stage] = time.time() - stage_start

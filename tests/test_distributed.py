@@ -3,6 +3,8 @@ process on the same global batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -80,6 +82,23 @@ def test_storage_tells_contents_apart_not_only_sizes(tmp_path, monkeypatch):
         materialize(uri)
 
 
+def test_storage_keeps_runs_of_other_settings_apart():
+    """Two runs of one recipe sharing a storage location: the same stage settings from another output folder (another
+    node) find the same entries; other settings never do (B fetched A's checkpoint, trained on and replaced A's
+    final); how a stage runs (workers) does not count; a run_id shares on purpose."""
+    def at(*overrides, stage="distill"):
+        return load_recipe("demo", ["storage=/tmp/store", *overrides]).stored_at(stage, "checkpoints")
+
+    base = at("output_dir=runs/a")
+    assert base == at("output_dir=/elsewhere/b") == at("output_dir=runs/a", "distill.num_workers=2")
+    assert base != at("output_dir=runs/b", "distill.learning_rate=0.0001")
+    assert at("grpo.learning_rate=1e-5", stage="distill") == base  # another stage's settings
+    assert at("grpo.learning_rate=1e-5", stage="grpo") != at(stage="grpo")
+    assert at("run_id=exp1").endswith("/demo/distill@exp1/checkpoints") and at("run_id=exp1", "seed=3") == at("run_id=exp1")
+    with pytest.raises(RecipeError, match="run_id"):
+        load_recipe("demo", ["run_id=a/b"])
+
+
 def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypatch):
     """Two Ray nodes on this machine, each with its own cache folder (where it puts the models it fetches) and no
     output path in common: GRPO's trainer on the head, its rollout engine on the second node (asked for with
@@ -92,7 +111,7 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
     from ray.cluster_utils import Cluster
 
     from pipeline.run import run_recipe
-    from pipeline.storage import MARKER, storage_uri
+    from pipeline.storage import MARKER
 
     if ray.is_initialized():
         ray.shutdown()
@@ -111,18 +130,20 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
         engine_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("engine_node"))
         (engine,) = json.loads((tmp_path / "out" / "grpo" / "engines.json").read_text())
         assert engine["node"] == engine_node
-        assert engine["source"] == storage_uri(str(store), "demo", "grpo-start")
+        assert engine["source"] == recipe.stored_at("grpo", "start")
         # each node read the stored model into its own cache: the engine's node and the trainer's
         assert list((engine_cache / "storage").glob("*/config.json"))
         assert list((head_cache / "storage").glob("*/config.json"))
-        assert (store / "demo" / "grpo" / "final" / MARKER).exists()
+        stored_final = recipe.stored_at("grpo", "final")
+        assert (Path(stored_final.removeprefix("file://")) / MARKER).exists()
         rows = [r for r in read_metrics(tmp_path / "out" / "grpo" / "metrics.jsonl") if "reward" in r]
         assert len(rows) == 2 and all(r["time/weight_sync_s"] > 0 for r in rows)
         # evaluation's two workers stored their shards, and the GRPO model they scored is named by its stored URI
-        stored = sorted(p.name for p in (store / "demo" / "eval" / "generations").iterdir())
+        (shards,) = Path(recipe.stored_at("eval", "generations").removeprefix("file://")).iterdir()  # one model
+        stored = sorted(p.name for p in shards.iterdir())
         assert stored == ["arithmetic.settings.json", "arithmetic.shard0of2.jsonl", "arithmetic.shard1of2.jsonl"]
         summary = json.loads((tmp_path / "out" / "eval" / "summary.json").read_text())
-        assert summary["model"].startswith(storage_uri(str(store), "demo", "grpo", "final"))
+        assert summary["model"].startswith(stored_final)
 
         @ray.remote(resources={"engine_node": 0.01})
         def shipped():
@@ -136,16 +157,17 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
 
 
 def test_a_rerun_elsewhere_resumes_from_stored_checkpoints(tmp_path):
-    """Distillation with a storage location stores each finished checkpoint; the same recipe run from another
-    output folder (another node's) fetches the newest and resumes from it; --redo sets the stored ones aside."""
+    """Distillation with a storage location stores each finished checkpoint; a run of the same run_id from another
+    output folder (another node's) fetches the newest and resumes from it, here to train longer; --redo sets the
+    stored ones aside. (Without a run_id only a run of the same settings shares them.)"""
     from pipeline.checkpoints import DONE
     from pipeline.run import prepare_stage, run_recipe
 
     store = tmp_path / "store"
-    common = [f"storage={store}", "distill.data.max_samples=64", "distill.batch_size=8", "distill.save_steps=1",
-              "distill.save_total_limit=2", "distill.logging_steps=1", "ray.num_cpus=2"]
+    common = [f"storage={store}", "run_id=shared", "distill.data.max_samples=64", "distill.batch_size=8",
+              "distill.save_steps=1", "distill.save_total_limit=2", "distill.logging_steps=1", "ray.num_cpus=2"]
     run_recipe(load_recipe("demo", [f"output_dir={tmp_path / 'a'}", "distill.max_steps=2", *common]), ("distill",))
-    stored = store / "demo" / "distill" / "checkpoints"
+    stored = store / "demo" / "distill@shared" / "checkpoints"
     assert sorted(p.name for p in stored.iterdir()) == ["checkpoint-1", "checkpoint-2"]
     elsewhere = load_recipe("demo", [f"output_dir={tmp_path / 'b'}", "distill.max_steps=3", *common])
     run_recipe(elsewhere, ("distill",))
@@ -156,8 +178,8 @@ def test_a_rerun_elsewhere_resumes_from_stored_checkpoints(tmp_path):
     assert json.loads((tmp_path / "b" / "distill" / "final" / DONE).read_text())["global_step"] == 3
     assert sorted(p.name for p in stored.iterdir()) == ["checkpoint-2", "checkpoint-3"]  # save_total_limit
     prepare_stage(elsewhere, "distill", tmp_path / "b" / "distill", redo=True)
-    assert not (store / "demo" / "distill").exists()
-    assert [p.name.startswith("distill.replaced-") for p in (store / "demo").iterdir()].count(True) == 1
+    assert not (store / "demo" / "distill@shared").exists()
+    assert [p.name.startswith("distill@shared.replaced-") for p in (store / "demo").iterdir()].count(True) == 1
 
 
 def test_grpo_placement_reserves_the_gpus_together():

@@ -494,3 +494,36 @@ def test_padding_free_grpo_loss_and_gradients_equal_the_padded_pass(tmp_path):
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     sizes = [row.input_ids.shape[1] for row in pack_rows(ids, mask, C, 25)]
     assert sizes == [22, 14, 25, 15], sizes  # rows of 11, 11, 14, 15, 10 and 15 tokens
+
+
+def test_the_initial_model_is_built_again_when_its_settings_change(tmp_path):
+    """``initial/`` keeps the model settings it was built with; a changed width builds it again (GRPO trained the
+    old 128-wide model while grpo/recipe.yaml said 256)."""
+    from sse_model.checkpoint import load_pretrained
+
+    from pipeline.run import initial_checkpoint
+
+    first = initial_checkpoint(load_recipe("demo"), tmp_path)
+    assert initial_checkpoint(load_recipe("demo"), tmp_path) == first  # built once
+    wider = initial_checkpoint(load_recipe("demo", ["model.config_overrides={intermediate_size: 256}"]), tmp_path)
+    assert load_pretrained(wider).config.intermediate_size == 256
+    assert len(list(tmp_path.glob("initial.replaced-*"))) == 1
+
+
+def test_a_stage_run_alone_starts_from_the_last_finished_stage(tmp_path):
+    """``sse-pipeline eval`` on a finished run scores its GRPO model (it scored a fresh random initial one); GRPO
+    alone starts from distillation's model; a disabled stage's model is not used."""
+    from pipeline.checkpoints import DONE
+    from pipeline.run import starting_model
+
+    recipe = load_recipe("demo")
+    assert starting_model(recipe, tmp_path, ("eval",)) is None
+    for stage in ("distill", "grpo"):
+        (tmp_path / stage / "final").mkdir(parents=True)
+        (tmp_path / stage / "final" / DONE).write_text("{}")
+    assert starting_model(recipe, tmp_path, ("eval",)) == str(tmp_path / "grpo" / "final")
+    assert starting_model(recipe, tmp_path, ("grpo", "eval")) == str(tmp_path / "distill" / "final")
+    assert starting_model(recipe, tmp_path, ("distill", "grpo", "eval")) is None
+    assert starting_model(load_recipe("demo", ["grpo.enabled=false"]), tmp_path, ("eval",)) == \
+        str(tmp_path / "distill" / "final")
+    assert starting_model(load_recipe("demo", ["distill.enabled=false"]), tmp_path, ("grpo",)) is None

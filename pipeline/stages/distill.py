@@ -56,7 +56,8 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
                                      recipe.distill.max_length)
-    resume, store = resume_point(recipe.storage, recipe.name, "distill", out_dir)
+    store = recipe.stored_at("distill", "checkpoints")
+    resume = resume_point(store, out_dir)
     trainer = SSESFTTrainer(
         model=model.to(device),
         args=sft_config(recipe, out_dir, device),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from eval.runner import generate, model_identity, score
 
 from ..models import engine_options, load_model, resolve_device
 from ..recipe import Recipe
-from ..storage import get_files, identity, is_stored, materialize, put_files, storage_uri
+from ..storage import get_files, identity, is_stored, materialize, put_files
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,17 @@ def sampling_of(recipe: Recipe) -> SamplingConfig:
                           seed=recipe.seed)
 
 
-def _shard_store(recipe: Recipe, workers: int) -> str | None:
-    """Where sharded generations meet when the recipe has a storage location (workers on other nodes)."""
+def _model_id(location: str) -> str:
+    """What is evaluated, the same on every node: a stored model's URI and upload, else the checkpoint's fingerprint."""
+    return identity(location) if is_stored(location) else model_identity(str(materialize(location)))
+
+
+def _shard_store(recipe: Recipe, workers: int, model_id: str) -> str | None:
+    """Where sharded generations meet when the recipe has a storage location (workers on other nodes): per model
+    evaluated, so that an evaluation of another model never takes these."""
     if recipe.storage is None or workers <= 1:
         return None
-    return storage_uri(recipe.storage, recipe.name, "eval", "generations")
+    return recipe.stored_at("eval", "generations", hashlib.sha1(model_id.encode()).hexdigest()[:12])
 
 
 def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> None:
@@ -45,13 +52,14 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     are fetched before (resuming) and stored after, so workers on any node need no common output folder."""
     cfg = recipe.eval
     device = resolve_device(recipe.device)
-    store = _shard_store(recipe, shard[1])
+    model_id = _model_id(location)
+    store = _shard_store(recipe, shard[1], model_id)
     generations = Path(out_dir) / "generations"
     mine = f"*.shard{shard[0]}of{shard[1]}.jsonl"
-    if store is not None:
+    if store is not None:  # with the settings they were made with, which generate() holds them to
         get_files(store, generations, mine)
+        get_files(store, generations, "*.settings.json")
     checkpoint = str(materialize(location))
-    model_id = identity(location) if is_stored(location) else model_identity(checkpoint)
     model, tokenizer = load_model(recipe.model, checkpoint)
     served_by_vllm = cfg.backend == "engine" and cfg.engine.backend == "vllm"
     model = model.eval() if served_by_vllm else model.to(device).eval()  # vLLM loads the checkpoint itself
@@ -80,7 +88,7 @@ def run_eval(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per
     else:
         task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
         ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
-        store = _shard_store(recipe, workers)
+        store = _shard_store(recipe, workers, _model_id(str(checkpoint)))
         if store is not None:  # every worker's shards, wherever it ran
             get_files(store, out_dir / "generations")
     summary = score(out_dir, recipe.eval.benchmarks, recipe.eval.repeats, sampling_of(recipe), recipe.eval.limit,

@@ -372,7 +372,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                                "resources (ray.num_gpus) and grpo.engine")
         args = grpo_config(recipe, out_dir, device)
         args.reward_weights = weights
-        resume, store = resume_point(recipe.storage, recipe.name, "grpo", out_dir)
+        store = recipe.stored_at("grpo", "checkpoints")
+        resume = resume_point(store, out_dir)
         trainer = SSEGRPOTrainer(
             model=model.to(device),
             reward_funcs=funcs,
