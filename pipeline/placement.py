@@ -46,6 +46,10 @@ def plan_grpo(mode: str, gpus: int, cpus: int, num_engines: int, num_workers: in
     if gpus == 0:
         if mode != "auto":
             raise ValueError(f"grpo.placement: {mode} places GPUs; this cluster has none (use auto)")
+        if W * (1 + E) > cpus:  # Ray would wait for them forever, printing nothing
+            raise ValueError(f"grpo.num_workers={W} with grpo.num_engines={E} each needs {W * (1 + E)} CPUs on a "
+                             f"cluster without GPUs (a core per trainer worker and per engine); it has {cpus} "
+                             "(ray.num_cpus)")
         return GRPOPlacement("cpu", {"num_cpus": max(1, (cpus - W * E) // W), "num_gpus": 0},
                              {"num_cpus": 1, "num_gpus": 0})
     mode = ("colocated" if gpus == W else "split") if mode == "auto" else mode

@@ -103,6 +103,9 @@ def placement(recipe: Recipe) -> dict:
     workers = recipe.distill.num_workers
     if gpus and workers > gpus:
         raise ValueError(f"distill.num_workers={workers} needs {workers} GPUs (one per worker); the cluster has {gpus}")
+    if not gpus and workers > cpus:  # Ray would wait for the cores forever, printing nothing
+        raise ValueError(f"distill.num_workers={workers} needs {workers} CPUs (one per worker) on a cluster without "
+                         f"GPUs; it has {cpus} (ray.num_cpus)")
     # a data-parallel training worker: a GPU each, or an equal share of the cores
     train_worker = {"num_cpus": 1, "num_gpus": 1} if gpus else {"num_cpus": max(1, cpus // workers), "num_gpus": 0}
     grpo = plan_grpo(recipe.grpo.placement, gpus, cpus, recipe.grpo.num_engines, recipe.grpo.num_workers)

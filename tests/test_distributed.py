@@ -194,6 +194,10 @@ def test_grpo_placement_reserves_the_gpus_together():
         plan_grpo("split", gpus=2, cpus=4, num_engines=2)
     with pytest.raises(ValueError, match="this cluster has none"):
         plan_grpo("colocated", gpus=0, cpus=4, num_engines=1)
+    # on CPUs, workers that cannot all be placed hung with no output: refused, naming what is needed and what exists
+    with pytest.raises(ValueError, match=r"grpo.num_workers=2 with grpo.num_engines=1 each needs 4 CPUs.*it has 2"):
+        plan_grpo("auto", gpus=0, cpus=2, num_engines=1, num_workers=2)
+    assert plan_grpo("auto", gpus=0, cpus=4, num_engines=1, num_workers=2).mode == "cpu"
     assert plan_grpo("auto", gpus=1, cpus=4, num_engines=2).mode == "colocated"
     assert plan_grpo("auto", gpus=4, cpus=4, num_engines=2).mode == "split"
     two = plan_grpo("split", gpus=6, cpus=8, num_engines=2, num_workers=2)  # trainers first, then their engines
