@@ -305,6 +305,9 @@ class Recipe:
                  f"into gradient_accumulation_steps ({g.gradient_accumulation_steps}) micro-batches each")
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
+        r = g.rewards
+        if g.enabled and not (r.accuracy or r.format or r.overlong):
+            fail("grpo.rewards", "every reward weight (accuracy, format, overlong) is 0: GRPO would learn nothing")
         if g.dynamic_sampling and g.loss_type != "dapo":
             # a batch still short after max_sampling_rounds is filled with groups masked out of the loss; dapo divides
             # by the batch's real tokens, the others by rows or per micro-batch, where the filler shrinks the step

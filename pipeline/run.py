@@ -220,11 +220,39 @@ def starting_model(recipe: Recipe, out: Path, stages: tuple[str, ...]) -> str | 
     return None
 
 
+def preflight(recipe: Recipe, stages: tuple[str, ...]) -> None:
+    """What this machine must offer the recipe, checked before Ray or any stage starts (each used to fail only
+    after training): vLLM where an engine backend names it, evaluation files that exist, a writable storage."""
+    import importlib.util
+
+    from .storage import check_writable
+
+    enabled = [s for s in stages if getattr(recipe, s).enabled]
+    engines = {"grpo": recipe.grpo.engine, "eval": recipe.eval.engine}
+    for stage in enabled:
+        if stage in engines and engines[stage].backend == "vllm" and importlib.util.find_spec("vllm") is None:
+            if stage == "grpo" or recipe.eval.backend == "engine":
+                raise RecipeError(f"{stage}.engine.backend: vllm needs vLLM 0.25.1, which is not installed "
+                                  "(pip install 'sse-pipeline[vllm]', or python -m pipeline.rollout.vllm.site); "
+                                  "engine.backend: sse is this package's engine")
+    if "eval" in enabled:
+        from eval.benchmarks import BENCHMARKS
+
+        for name in recipe.eval.benchmarks:
+            looks_like_file = name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json", ".parquet"))
+            if name not in BENCHMARKS and looks_like_file and not Path(name).expanduser().exists():
+                raise RecipeError(f"eval.benchmarks: {name!r} is no file (from {Path.cwd()}) and no registered "
+                                  f"benchmark ({sorted(BENCHMARKS)})")
+    if recipe.storage is not None:
+        check_writable(recipe.storage)
+
+
 def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | None = None,
                checkpoint: str | None = None, redo: tuple[str, ...] = ()) -> Path:
     """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report.
     One run at a time per output folder (:class:`~pipeline.lock.RunLock`); each stage keeps the recipe it
     ran with, and a re-run with changed settings of a stage refuses unless the stage is in ``redo``."""
+    preflight(recipe, stages)
     out = Path(recipe.output_dir)
     with RunLock(out):
         redone = False  # a stage run again makes every later stage stale: they run again too

@@ -62,6 +62,20 @@ def inventory(local: Path) -> dict[str, list]:
             for p in sorted(local.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
+def check_writable(storage: str) -> None:
+    """Refuses a storage location that cannot be opened or written (before a run that would store its models
+    there starts), naming it: writes and deletes a small probe file."""
+    uri = storage_uri(storage, f".probe-{os.getpid()}-{time.time_ns()}")
+    fs, path = _filesystem(uri)
+    try:
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as out:
+            out.write(b"ok")
+        fs.delete_file(path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"storage: cannot write to {storage!r} ({error})") from error
+
+
 def upload(local: Path, uri: str) -> str:
     """Copies the directory ``local`` to ``uri`` (replacing what was there unless it holds the same contents) and
     returns ``uri``."""

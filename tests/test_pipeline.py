@@ -527,3 +527,26 @@ def test_a_stage_run_alone_starts_from_the_last_finished_stage(tmp_path):
     assert starting_model(load_recipe("demo", ["grpo.enabled=false"]), tmp_path, ("eval",)) == \
         str(tmp_path / "distill" / "final")
     assert starting_model(load_recipe("demo", ["distill.enabled=false"]), tmp_path, ("grpo",)) is None
+
+
+def test_what_the_machine_must_offer_is_checked_before_anything_starts(tmp_path, monkeypatch):
+    """Each of these failed only after training: no reward to learn from, vLLM named but not installed, an
+    evaluation file that is not there (taken for a hub name, then retried), a storage location that is a file."""
+    import importlib.util
+
+    from pipeline.run import preflight
+
+    with pytest.raises(RecipeError, match="grpo.rewards: every reward weight"):
+        load_recipe("demo", ["grpo.rewards.accuracy=0", "grpo.rewards.format=0"])
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    with pytest.raises(RecipeError, match="grpo.engine.backend: vllm needs vLLM"):
+        preflight(load_recipe("demo", ["grpo.engine.backend=vllm"]), ("grpo", "eval"))
+    preflight(load_recipe("demo", ["grpo.engine.backend=vllm"]), ("eval",))  # not the stages run here
+    with pytest.raises(RecipeError, match="eval.benchmarks: 'data/mine.jsonl' is no file"):
+        preflight(load_recipe("demo", ["eval.benchmarks=[data/mine.jsonl]"]), ("eval",))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="storage: cannot write to"):
+        preflight(load_recipe("demo", [f"storage={tmp_path / 'a-file'}"]), ("eval",))
+    preflight(load_recipe("demo", [f"storage={tmp_path / 'store'}"]), ("eval",))
+    assert list((tmp_path / "store").iterdir()) == []  # the probe is gone
