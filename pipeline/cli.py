@@ -104,12 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a stage failed: its cause in one line (Ray wraps it in a long traceback)
         if args.verbose:
             raise
-        cause = getattr(err, "cause", None) or err
-        print(f"error: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-              " (--verbose for the traceback)", file=sys.stderr)
+        print(f"error: {one_line(err)} (--verbose for the traceback)", file=sys.stderr)
         return 1
     print(f"\nReport: {report}")
     return 0
+
+
+def one_line(error: BaseException) -> str:
+    """A failed stage's cause in one line: its type, the first line of its message (ours: "rollout engine 0 died
+    ...") and, when the message goes on (Ray appends tracebacks), its last line (the exception at the bottom)."""
+    cause = getattr(error, "cause", None) or error
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and lines[-1] not in text:
+        text += f" ... {lines[-1]}"
+    return f"{type(cause).__name__}: {text}"
 
 
 def _models(args) -> int:

@@ -252,6 +252,10 @@ def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | 
     """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report.
     One run at a time per output folder (:class:`~pipeline.lock.RunLock`); each stage keeps the recipe it
     ran with, and a re-run with changed settings of a stage refuses unless the stage is in ``redo``."""
+    extra = [s for s in redo if s not in stages]
+    if extra:
+        raise RecipeError(f"--redo {' '.join(extra)}: this command runs {', '.join(stages)} only; run the stages to "
+                          f"redo with it (sse-pipeline run ... --redo {extra[0]})")
     preflight(recipe, stages)
     out = Path(recipe.output_dir)
     with RunLock(out):

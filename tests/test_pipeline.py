@@ -550,3 +550,18 @@ def test_what_the_machine_must_offer_is_checked_before_anything_starts(tmp_path,
         preflight(load_recipe("demo", [f"storage={tmp_path / 'a-file'}"]), ("eval",))
     preflight(load_recipe("demo", [f"storage={tmp_path / 'store'}"]), ("eval",))
     assert list((tmp_path / "store").iterdir()) == []  # the probe is gone
+
+
+def test_a_failed_stage_keeps_our_words_in_its_one_line_error(tmp_path):
+    """``grpo.max_engine_restarts=0``: the one-line error kept Ray's last line and dropped "rollout engine 0 died";
+    a --redo of a stage the command does not run was ignored after "done, skipping"."""
+    from pipeline.cli import one_line
+    from pipeline.run import run_recipe
+
+    ray_text = "rollout engine 0 died and the fleet has already replaced 0 (max_restarts=0): The actor died\n" \
+               "  File \"worker.py\", line 3\nray.exceptions.ActorDiedError: The actor died unexpectedly"
+    line = one_line(RuntimeError(ray_text))
+    assert line.startswith("RuntimeError: rollout engine 0 died") and line.endswith("died unexpectedly")
+    assert one_line(ValueError("plain")) == "ValueError: plain"
+    with pytest.raises(RecipeError, match="--redo distill: this command runs eval only"):
+        run_recipe(load_recipe("demo", [f"output_dir={tmp_path}"]), ("eval",), redo=("distill",))
