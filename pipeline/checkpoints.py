@@ -105,10 +105,16 @@ def save_final(model, tokenizer, directory: Path, info: dict) -> Path:
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    (tmp / DONE).write_text(json.dumps(info, indent=2))
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / DONE).write_text(json.dumps(info, indent=2))
+    except (OSError, RuntimeError) as error:  # torch's writer says "file write failed", not where nor why
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        raise OSError(f"could not write the model to {tmp} ({free / 2**30:.2f} GiB free there"
+                      f"{'; no space left' if free < 2**30 else ''}): {error}") from error
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)

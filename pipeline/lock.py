@@ -70,5 +70,9 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         if self.held:
-            self.path.unlink(missing_ok=True)
             self.held = False
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as error:  # never in place of the error that ends the run (a folder made read-only)
+                log.warning("could not remove the run lock %s (%s); remove it by hand before the next run",
+                            self.path, error)

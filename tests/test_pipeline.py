@@ -565,3 +565,34 @@ def test_a_failed_stage_keeps_our_words_in_its_one_line_error(tmp_path):
     assert one_line(ValueError("plain")) == "ValueError: plain"
     with pytest.raises(RecipeError, match="--redo distill: this command runs eval only"):
         run_recipe(load_recipe("demo", [f"output_dir={tmp_path}"]), ("eval",), redo=("distill",))
+
+
+def test_the_stage_error_is_the_one_reported(tmp_path, monkeypatch):
+    """A folder made read-only mid-run: the lock cannot be removed, but the stage's own error is what ends the run;
+    a model that cannot be written (a full disk) names where and how much room is left."""
+    from pathlib import Path
+
+    from pipeline.checkpoints import save_final
+    from pipeline.lock import RunLock
+
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name.startswith(".run"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    with pytest.raises(ValueError, match="the stage's own error"):
+        with RunLock(tmp_path) as lock:
+            monkeypatch.setattr(Path, "unlink", unlink)
+            raise ValueError("the stage's own error")
+    assert not lock.held
+
+    class Full:
+        def save_pretrained(self, path):
+            Path(path).mkdir()
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+
+    with pytest.raises(OSError, match=r"could not write the model to .*final.tmp \(.* GiB free there"):
+        save_final(Full(), None, tmp_path / "final", {})
+    assert not (tmp_path / "final.tmp").exists()
