@@ -100,6 +100,23 @@ def resume_point(store: str | None, out_dir: Path) -> Path | None:
     return latest_complete_checkpoint(Path(out_dir) / "checkpoints")
 
 
+def write_error(error: BaseException, folder: Path) -> OSError:
+    """A failed save in words that help: torch's writer says "file write failed" (or an ``inline_container`` error),
+    not where nor why; this names the folder and the room left there."""
+    folder = Path(folder)
+    where = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    return OSError(f"could not write the model to {folder} ({free / 2**30:.2f} GiB free there"
+                   f"{'; no space left' if free < 2**30 else ''}): {error}")
+
+
+def is_write_error(error: BaseException) -> bool:
+    """Whether a training step failed writing a checkpoint (torch's and the OS's words for it)."""
+    text = str(error)
+    return isinstance(error, OSError) and error.errno in (28, 122) or any(
+        word in text for word in ("file write failed", "PytorchStreamWriter", "No space left"))
+
+
 def save_final(model, tokenizer, directory: Path, info: dict) -> Path:
     """Writes the stage's final model to ``directory`` atomically (temp dir + rename) with a done marker."""
     directory = Path(directory)
@@ -110,11 +127,9 @@ def save_final(model, tokenizer, directory: Path, info: dict) -> Path:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / DONE).write_text(json.dumps(info, indent=2))
-    except (OSError, RuntimeError) as error:  # torch's writer says "file write failed", not where nor why
+    except (OSError, RuntimeError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(tmp.parent).free
-        raise OSError(f"could not write the model to {tmp} ({free / 2**30:.2f} GiB free there"
-                      f"{'; no space left' if free < 2**30 else ''}): {error}") from error
+        raise write_error(error, tmp) from error
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)

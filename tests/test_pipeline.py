@@ -596,3 +596,8 @@ def test_the_stage_error_is_the_one_reported(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"could not write the model to .*final.tmp \(.* GiB free there"):
         save_final(Full(), None, tmp_path / "final", {})
     assert not (tmp_path / "final.tmp").exists()
+    # the same words for a checkpoint the trainer could not write (the stages wrap trainer.train)
+    from pipeline.checkpoints import is_write_error
+
+    assert is_write_error(RuntimeError("[enforce fail at inline_container.cc:664] PytorchStreamWriter failed"))
+    assert is_write_error(OSError(28, "No space left on device")) and not is_write_error(ValueError("bad value"))
