@@ -283,9 +283,7 @@ def check_fused(H: int, D: int, hidden: int, inter: int):
 def check_generation(model: str):
     """A decode step's matrix products (few rows, the residual in the epilogue) and the one-pass sampler, at one
     model's widths and vocabulary."""
-    from kernels.sampling import race_sample
     from kernels.skinny import skinny_linear
-    from pipeline.rollout.sampling import sample, uniform_noise
 
     H, H_kv, D, hidden, inter, vocab = MODELS[model]
     products = [(hidden, (H + 2 * H_kv) * D, False), (H * D, hidden, True), (hidden, 2 * inter, False),
@@ -299,7 +297,15 @@ def check_generation(model: str):
             want = x.float() @ w.float().T + (r.float() if residual else 0)
             worst = max(worst, rel(skinny_linear(x, w, residual=r), want))
         yield row("skinny products", f"{model} rows={rows}", "bfloat16", worst)
-    B = 64
+    yield from check_sampler(vocab, 64)
+
+
+def check_sampler(vocab: int, B: int):
+    """The one-pass sampler against the PyTorch sampler (bf16 logits): the same token in every row whose race is not
+    a float tie, the same log-probability."""
+    from kernels.sampling import race_sample
+    from pipeline.rollout.sampling import sample, uniform_noise
+
     logits = (torch.randn(B, vocab, device="cuda") * 4).to(torch.bfloat16)
     temperature = torch.tensor([0.0, 0.7, 1.0, 1.2], device="cuda").repeat(B // 4)
     seeds = torch.randint(0, 2**62, (B,), device="cuda")

@@ -458,24 +458,11 @@ def test_skinny_linear_real_sizes(rows):
 def test_race_sample_real_sizes():
     """The one-pass sampler against the PyTorch sampler at GRPO's batch and Qwen's vocabulary (bf16 logits): the
     same token in every row whose race is not a float tie, the same log-probability."""
-    from kernels.sampling import race_sample
-    from pipeline.rollout.sampling import sample, uniform_noise
+    from kernels.bench.real_shapes import check_sampler
 
-    B, V = 256, 151936
-    logits = (torch.randn(B, V, device="cuda") * 4).to(torch.bfloat16)
-    temperature = torch.tensor([0.0, 0.7, 1.0, 1.2], device="cuda").repeat(B // 4)
-    seeds = torch.randint(0, 2**62, (B,), device="cuda")
-    steps = torch.randint(0, 32768, (B,), device="cuda")
-    ones, off = torch.ones(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
-    want, want_logprobs = sample(logits, temperature, ones, off, seeds, steps, need_filter=True)
-    got, logprobs = race_sample(logits, temperature, seeds, steps)
-    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    race = torch.where(temperature[:, None] > 0, scaled - torch.log(-torch.log(uniform_noise(seeds, steps, V))),
-                       logits.float())
-    gap = (race.gather(1, want[:, None]) - race.gather(1, got[:, None])).abs()[:, 0]
-    RESULTS.append(("one-pass sampler: rows with another token", float((got != want).sum()), float(gap.max())))
-    assert bool(((got == want) | (gap <= 1e-5 * race.abs().amax(1))).all())
-    torch.testing.assert_close(logprobs[got == want], want_logprobs[got == want], atol=1e-4, rtol=1e-4)
+    (r,) = check_sampler(151936, 256)
+    RESULTS.append(("one-pass sampler: log-prob rel err", r["out"], 0.0))
+    assert r["status"] == "ok", r
 
 
 def test_zz_print_table():
