@@ -8,6 +8,7 @@
     sse-pipeline config paper-2b grpo.steps=50          the resolved, validated recipe (runs nothing)
     sse-pipeline recipes                                the built-in recipes
     sse-pipeline models fetch smollm2-135m              download a known pretrained model into the local cache
+    sse-pipeline compare sse=runs/a tf=runs/b           finished runs side by side (markdown table and plot)
 
 Re-running a command continues where it stopped: finished stages are skipped, an unfinished one resumes
 from its last checkpoint, an interrupted evaluation from its last generation. Each stage keeps the recipe it
@@ -73,7 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--redo", action="append", default=[], choices=("distill", "grpo", "eval"),
                          help="run this stage again even if it finished or its settings changed (repeatable)")
         sub.add_argument("--verbose", action="store_true", help="full tracebacks instead of one-line errors")
+    compare = commands.add_parser("compare", help="finished runs side by side: accuracy with 95%% CIs per stage, "
+                                                  "GRPO curves, engine throughput (markdown + plot)")
+    compare.add_argument("runs", nargs="+", help="run folders (output_dir), each optionally LABEL=FOLDER")
+    compare.add_argument("--out", default="comparison", help="folder for compare.md and compare.png")
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        from .compare import compare as write_comparison
+
+        try:
+            print(write_comparison(args.runs, args.out))
+        except (OSError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "recipes":
         for name, text in builtin_recipes():
             print(f"{name:12s} {text}")

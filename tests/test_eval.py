@@ -208,3 +208,41 @@ def test_a_benchmark_file_without_problems_is_named(tmp_path):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="empty.jsonl: no problems"):
         load_problems(str(empty))
+
+
+def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
+    """``sse-pipeline compare``: every evaluation of each run as a row named by the stage whose model it scored,
+    avg@n with its 95% interval, GRPO's reward and engine throughput per run, and a figure; a folder without an
+    evaluation is an error naming it."""
+    import random
+
+    from eval.metrics import summarize
+    from eval.report import write_reports
+    from pipeline.cli import main
+
+    def finished_run(folder, accuracy, model, reward):
+        rng = random.Random(accuracy)
+        problems = [{"correct": [rng.random() < accuracy for _ in range(4)], "clusters": [0, 1, 2, 3],
+                     "lengths": [10] * 4, "truncated": [False] * 4} for _ in range(30)]
+        summary = {"benchmarks": {"gsm8k": summarize(problems)}, "model": model}
+        write_reports(summary, folder / "eval")
+        (folder / "grpo").mkdir(parents=True, exist_ok=True)
+        (folder / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "reward": reward + 0.01 * s, "rewards/accuracy/mean": reward, "tokens/generated_per_s": 900.0})
+            + "\n" for s in range(1, 11)))
+        (folder / "grpo" / "engines.json").write_text(json.dumps([{"per_slot_bytes": 3 * 2**20}]))
+        return summary["benchmarks"]["gsm8k"]
+
+    sse = finished_run(tmp_path / "sse", 0.3, f"{tmp_path}/sse/grpo/final [abc]", 0.2)
+    finished_run(tmp_path / "tf", 0.6, f"{tmp_path}/tf/distill/final [def]", 0.5)
+    out = tmp_path / "cmp"
+    assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), "--out", str(out)]) == 0
+    text = (out / "compare.md").read_text()
+    low, high = sse["avg@4_ci95"]
+    assert f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4 |" in text
+    assert "| tf, after distillation |" in text
+    assert "| SSE-H | 10 | 0.215 -> 0.295 (mean of 2) | 900 | 3.00 MiB |" in text
+    assert (out / "compare.png").stat().st_size > 10_000
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "empty: no evaluation (summary.json)" in capsys.readouterr().err

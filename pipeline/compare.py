@@ -1,0 +1,161 @@
+"""Finished runs side by side: ``sse-pipeline compare [LABEL=]RUN ... --out DIR`` writes ``compare.md`` and
+``compare.png``.
+
+From each run folder it reads what the stages left there: every evaluation (``summary.json`` under the run, one row
+each, named by the stage whose model it scored), GRPO's curves (``grpo/metrics.jsonl``: reward and accuracy per
+step) and its rollout engines (generated tokens/s over the logged steps, the recurrent state one sequence holds,
+``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark; the figure puts the accuracies
+with their intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eval.report import atomic_write
+
+from .metrics import moving_average, read_metrics
+
+# what produced a model, read off the path of the checkpoint an evaluation names (its ``model`` field)
+STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distillation"), ("/initial", "before training"))
+
+
+@dataclass
+class Evaluation:
+    stage: str
+    benchmarks: dict  # name -> (avg, low, high, repeats)
+
+
+@dataclass
+class Run:
+    label: str
+    folder: Path
+    evaluations: list[Evaluation] = field(default_factory=list)
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # reward, accuracy: (step, value)
+    tokens_per_s: float | None = None
+    state_bytes: int | None = None
+
+
+def stage_of(model: str, where: Path, run: Path) -> str:
+    """The stage whose model an evaluation scored: from the checkpoint path it names (a stored URI too), else the
+    evaluation's folder."""
+    for pattern, stage in STAGE_OF_PATH:
+        if pattern in model.split(" [")[0]:
+            return stage
+    return str(where.relative_to(run)) if where != run else "eval"
+
+
+def read_run(label: str, folder: Path) -> Run:
+    """What a finished run left in ``folder``; an error names the folder when it holds no evaluation."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such run folder")
+    run = Run(label, folder)
+    for path in sorted(folder.rglob("summary.json")):
+        if ".replaced-" in str(path.relative_to(folder)):  # outputs a --redo moved aside
+            continue
+        summary = json.loads(path.read_text())
+        benches = {}
+        for name, m in summary.get("benchmarks", {}).items():
+            n = m["repeats"]
+            low, high = m[f"avg@{n}_ci95"]
+            benches[name] = (m[f"avg@{n}"], low, high, n)
+        run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder), benches))
+    if not run.evaluations:
+        raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
+    rows = read_metrics(folder / "grpo" / "metrics.jsonl")
+    for key, name in (("reward", "reward"), ("rewards/accuracy/mean", "accuracy")):
+        points = sorted({r["step"]: r[key] for r in rows if isinstance(r.get(key), (int, float))}.items())
+        if points:
+            run.curves[name] = points
+    rates = [r["tokens/generated_per_s"] for r in rows if "tokens/generated_per_s" in r]
+    run.tokens_per_s = sum(rates) / len(rates) if rates else None
+    engines = folder / "grpo" / "engines.json"
+    if engines.exists():
+        run.state_bytes = json.loads(engines.read_text())[0].get("per_slot_bytes")
+    return run
+
+
+def markdown(runs: list[Run]) -> str:
+    benchmarks = list(dict.fromkeys(b for run in runs for e in run.evaluations for b in e.benchmarks))
+    lines = ["| model | " + " | ".join(f"{b} (avg@n, 95% CI)" for b in benchmarks) + " |",
+             "|---|" + "---|" * len(benchmarks)]
+    for run in runs:
+        for e in run.evaluations:
+            cells = []
+            for b in benchmarks:
+                if b in e.benchmarks:
+                    avg, low, high, n = e.benchmarks[b]
+                    cells.append(f"{100 * avg:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={n}")
+                else:
+                    cells.append("")
+            lines.append(f"| {run.label}, {e.stage} | " + " | ".join(cells) + " |")
+    lines += ["", "Accuracies in %.", "",
+              "| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
+              "|---|---|---|---|---|"]
+    for run in runs:
+        reward = run.curves.get("reward", [])
+        k = max(1, len(reward) // 5)
+        change = (f"{sum(v for _, v in reward[:k]) / k:.3f} -> {sum(v for _, v in reward[-k:]) / k:.3f} (mean of {k})"
+                  if reward else "")
+        rate = f"{run.tokens_per_s:,.0f}" if run.tokens_per_s else ""
+        state = f"{run.state_bytes / 2**20:.2f} MiB" if run.state_bytes is not None else ""
+        lines.append(f"| {run.label} | {reward[-1][0] if reward else ''} | {change} | {rate} | {state} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{run.label}, {e.stage}", e) for run in runs for e in run.evaluations]
+    benchmarks = list(dict.fromkeys(b for _, e in rows for b in e.benchmarks))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(len(rows), 1)
+    for i, (name, e) in enumerate(rows):
+        xs, ys, lo, hi = [], [], [], []
+        for j, b in enumerate(benchmarks):
+            if b in e.benchmarks:
+                avg, low, high, _ = e.benchmarks[b]
+                xs.append(j + (i - (len(rows) - 1) / 2) * width)
+                ys.append(100 * avg)
+                lo.append(100 * (avg - low))
+                hi.append(100 * (high - avg))
+        left.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
+    left.set_xticks(range(len(benchmarks)), benchmarks)
+    left.set_ylabel("avg@n accuracy (%)")
+    left.set_title("Accuracy (95% CI)")
+    left.legend(fontsize=7)
+    for i, run in enumerate(runs):  # one colour a run: solid reward, dashed accuracy
+        for name, style in (("reward", "-"), ("accuracy", "--")):
+            points = run.curves.get(name)
+            if points:
+                steps = [s for s, _ in points]
+                values = moving_average([v for _, v in points], max(1, len(points) // 10))
+                right.plot(steps, values, style, color=f"C{i}", label=f"{run.label}: {name}")
+    right.set_xlabel("GRPO step")
+    right.set_title("GRPO reward and accuracy (moving average)")
+    if right.lines:
+        right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare(entries: list[str], out: Path) -> Path:
+    """``entries``: run folders, each optionally ``LABEL=FOLDER``; writes ``out/compare.md`` and ``out/compare.png``
+    and returns the markdown file."""
+    runs = []
+    for entry in entries:
+        label, _, folder = entry.partition("=") if "=" in entry else ("", "", entry)
+        runs.append(read_run(label or Path(folder).name, Path(folder)))
+    out = Path(out)
+    plot(runs, out / "compare.png")
+    text = markdown(runs) + "\n![comparison](compare.png)\n"
+    atomic_write(out / "compare.md", text)
+    return out / "compare.md"
