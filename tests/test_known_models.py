@@ -209,3 +209,16 @@ def test_a_damaged_cached_model_is_refused_on_use(tmp_path, monkeypatch):
     cached.write_bytes(payload[:100] + bytes(20) + payload[120:])  # same size
     with pytest.raises(FetchError, match="damaged or replaced.*run: sse-pipeline models fetch tiny"):
         resolve("tiny", tmp_path)
+
+
+def test_the_transformer_arm_differs_from_the_sse_arm_only_in_its_layers():
+    """The comparison's two arms: the same data, steps and evaluation; the Transformer arm keeps all 30 layers as
+    attention (what the Llama computes), the SSE-H arm the paper's 5:1 pattern."""
+    from pipeline.recipe import load_recipe, recipe_to_dict
+
+    sse, transformer = (recipe_to_dict(load_recipe(n)) for n in ("smollm2-135m", "smollm2-135m-transformer"))
+    assert transformer["model"].pop("config_overrides") == {"mixer_types": ["attn"] * 30}
+    assert sse["model"].pop("config_overrides") == {}
+    for key in ("name", "output_dir"):
+        assert sse.pop(key) != transformer.pop(key)
+    assert sse == transformer
