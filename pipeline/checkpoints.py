@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -117,19 +118,32 @@ def is_write_error(error: BaseException) -> bool:
         word in text for word in ("file write failed", "PytorchStreamWriter", "No space left"))
 
 
+@contextmanager
+def writing(folder: Path):
+    """Saves inside name ``folder`` and the room left there when they fail for want of it (torch's writer says
+    only "file write failed"); other errors pass unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if is_write_error(error):
+            raise write_error(error, folder) from error
+        raise
+
+
 def save_final(model, tokenizer, directory: Path, info: dict) -> Path:
     """Writes the stage's final model to ``directory`` atomically (temp dir + rename) with a done marker."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / DONE).write_text(json.dumps(info, indent=2))
-    except (OSError, RuntimeError) as error:
+        with writing(tmp):
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            (tmp / DONE).write_text(json.dumps(info, indent=2))
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(error, tmp) from error
+        raise
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)

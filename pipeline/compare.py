@@ -74,7 +74,7 @@ def read_run(label: str, folder: Path) -> Run:
     run.tokens_per_s = sum(rates) / len(rates) if rates else None
     engines = folder / "grpo" / "engines.json"
     if engines.exists():
-        run.state_bytes = json.loads(engines.read_text())[0].get("per_slot_bytes")
+        run.state_bytes = next(iter(json.loads(engines.read_text())), {}).get("per_slot_bytes")
     return run
 
 

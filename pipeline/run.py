@@ -228,13 +228,12 @@ def preflight(recipe: Recipe, stages: tuple[str, ...]) -> None:
     from .storage import check_writable
 
     enabled = [s for s in stages if getattr(recipe, s).enabled]
-    engines = {"grpo": recipe.grpo.engine, "eval": recipe.eval.engine}
+    engines = {"grpo": recipe.grpo.engine, **({"eval": recipe.eval.engine} if recipe.eval.backend == "engine" else {})}
     for stage in enabled:
         if stage in engines and engines[stage].backend == "vllm" and importlib.util.find_spec("vllm") is None:
-            if stage == "grpo" or recipe.eval.backend == "engine":
-                raise RecipeError(f"{stage}.engine.backend: vllm needs vLLM 0.25.1, which is not installed "
-                                  "(pip install 'sse-pipeline[vllm]', or python -m pipeline.rollout.vllm.site); "
-                                  "engine.backend: sse is this package's engine")
+            raise RecipeError(f"{stage}.engine.backend: vllm needs vLLM 0.25.1, which is not installed "
+                              "(pip install 'sse-pipeline[vllm]', or python -m pipeline.rollout.vllm.site); "
+                              "engine.backend: sse is this package's engine")
     if "eval" in enabled:
         from eval.benchmarks import BENCHMARKS
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from trl import SFTConfig, SFTTrainer
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, is_write_error, resume_point, save_final, write_error
+from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
 from ..data import drop_overlong, sft_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
@@ -67,12 +67,8 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
     )
     if resume is not None:
         logger.info("distill: resuming from %s", resume)
-    try:
+    with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    except (OSError, RuntimeError) as error:
-        if is_write_error(error):  # a checkpoint that could not be written: where, and the room left
-            raise write_error(error, out_dir / "checkpoints") from error
-        raise
     if not is_main_process():  # rank 0 writes the stage's files
         return final
     plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "balance_loss", "learning_rate", "grad_norm"], "distill")

@@ -35,7 +35,7 @@ from eval.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, is_write_error, resume_point, save_final, write_error
+from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
 from ..data import prompt_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, Timer, plot_curves
@@ -387,12 +387,8 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         )
         if resume is not None:
             logger.info("grpo: resuming from %s", resume)
-        try:
+        with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        except (OSError, RuntimeError) as error:
-            if is_write_error(error):  # a checkpoint that could not be written: where, and the room left
-                raise write_error(error, out_dir / "checkpoints") from error
-            raise
     finally:
         fleet.shutdown()
         verifier.close()
