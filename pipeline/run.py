@@ -26,7 +26,20 @@ from .recipe import Recipe, RecipeError, recipe_to_dict, stage_settings
 from .storage import is_stored, materialize, set_aside, upload
 
 logger = logging.getLogger(__name__)
-STAGES = ("distill", "grpo", "eval")
+STAGES = ("align", "distill", "grpo", "eval")
+
+
+def stage_runs(recipe: Recipe, stage: str) -> bool:
+    """Whether ``recipe`` runs ``stage``: enabled, and for ``align`` a model converted into some SSE layers (a model
+    built otherwise, or converted with every layer kept as attention, has nothing to align)."""
+    if not getattr(recipe, stage).enabled:
+        return False
+    if stage != "align":
+        return True
+    from sse_model.configuration_sse import ATTENTION_MIXERS
+
+    mixers = recipe.model.config_overrides.get("mixer_types")
+    return recipe.model.convert_from is not None and (mixers is None or any(k not in ATTENTION_MIXERS for k in mixers))
 
 
 class StageSettingsChanged(RecipeError):
@@ -143,6 +156,14 @@ def _hand_on(recipe: Recipe, stage: str, final: Path) -> str:
     return upload(final, recipe.stored_at(stage, "final"))
 
 
+def _align_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
+    from .stages.align import run_align
+
+    _task_setup()
+    final = run_align(recipe, Path(out_dir), materialize(start_from) if start_from else None)
+    return _hand_on(recipe, "align", final)
+
+
 def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
     from .stages.distill import run_distill
 
@@ -210,9 +231,9 @@ def starting_model(recipe: Recipe, out: Path, stages: tuple[str, ...]) -> str | 
     """The model the first of ``stages`` starts from when no checkpoint is given: the final model of the last
     training stage before it that the recipe enables and that has finished in ``out`` (``sse-pipeline eval`` on a
     finished run scores its GRPO model, not a fresh initial one); None: the initial model."""
-    first = next((s for s in STAGES if s in stages and getattr(recipe, s).enabled), None)
+    first = next((s for s in STAGES if s in stages and stage_runs(recipe, s)), None)
     before = STAGES[:STAGES.index(first)] if first else ()
-    for stage in reversed([s for s in before if s != "eval" and getattr(recipe, s).enabled]):
+    for stage in reversed([s for s in before if s != "eval" and stage_runs(recipe, s)]):
         final = out / stage / "final"
         if is_done(final):
             logger.info("%s: starting from %s, the last finished stage's model", first, final)
@@ -227,7 +248,7 @@ def preflight(recipe: Recipe, stages: tuple[str, ...]) -> None:
 
     from .storage import check_writable
 
-    enabled = [s for s in stages if getattr(recipe, s).enabled]
+    enabled = [s for s in stages if stage_runs(recipe, s)]
     engines = {"grpo": recipe.grpo.engine, **({"eval": recipe.eval.engine} if recipe.eval.backend == "engine" else {})}
     for stage in enabled:
         if stage in engines and engines[stage].backend == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -260,7 +281,7 @@ def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | 
     with RunLock(out):
         redone = False  # a stage run again makes every later stage stale: they run again too
         for stage in stages:  # every refusal before anything starts
-            if not getattr(recipe, stage).enabled:
+            if not stage_runs(recipe, stage):
                 continue
             redone = redone or stage in redo
             saved = out / stage / "recipe.yaml"
@@ -282,13 +303,15 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
     timings = {}
     redone = False
     for stage in stages:
-        config = getattr(recipe, stage)
-        if not config.enabled:
+        if not stage_runs(recipe, stage):
             continue
         stage_start = time.time()
         stage_dir = out / stage
         redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
-        if stage == "distill":
+        if stage == "align":
+            start = _stored(recipe, current, "align") if current else None
+            current = ray.get(ray.remote(**where["whole"])(_align_task).remote(recipe, str(stage_dir), start))
+        elif stage == "distill":
             start = _stored(recipe, current, "distill") if current else None
             if recipe.distill.num_workers > 1:
                 current = run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
@@ -345,7 +368,7 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
             continue
         rows = read_metrics(stage_dir / "metrics.jsonl")
         highlight = ""
-        if stage == "distill" and rows:
+        if stage in ("align", "distill") and rows:
             losses = [r["loss"] for r in rows if "loss" in r]
             highlight = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
         if stage == "grpo" and rows:

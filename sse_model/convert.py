@@ -14,7 +14,9 @@ values it read before; SSE gives every partition the same Q/K/V.
 What is new, and how it starts: the LoRA difference between the sparse and the shared partitions starts at
 zero (its up-projection is zero), so all partitions begin with the inherited projections; the router starts
 near uniform (small weights); decay gates, output gate and output norm start as a freshly initialised
-SSE layer (fla's initialisation), which is what training from scratch uses.
+SSE layer (fla's initialisation), which is what training from scratch uses; ``start="attention_like"`` gives
+the decays a memory of thousands of tokens instead. Neither makes the layers compute what attention computed:
+:mod:`sse_model.align` (the recipes' ``align`` stage) teaches them that.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from .configuration_sse import ATTENTION_MIXERS, SSEConfig, hybrid_mixer_types
 from .modeling_sse import SSEForCausalLM
 
 SUPPORTED = ("llama", "qwen2")
+# how the new parts of a converted SSE layer start: "fresh" as a layer trained from scratch, "attention_like" with
+# decays near 1 (sse_model.align.attention_like_start), closer to attention's memory of the whole context
+CONVERT_STARTS = ("fresh", "attention_like")
 
 
 def _rope(cfg) -> dict:
@@ -89,9 +94,13 @@ def convert_to_sse(
     source: PreTrainedModel | str | Path,
     mixer_types: list[str] | None = None,
     torch_dtype: torch.dtype | None = None,
+    start: str = "fresh",
     **config_overrides,
 ) -> SSEForCausalLM:
-    """Converts ``source`` (a model object, or a local path / hub name of one) into an SSE-H model."""
+    """Converts ``source`` (a model object, or a local path / hub name of one) into an SSE-H model; ``start`` is one
+    of :data:`CONVERT_STARTS`."""
+    if start not in CONVERT_STARTS:
+        raise ValueError(f"start must be one of {CONVERT_STARTS}, got {start!r}")
     if not isinstance(source, PreTrainedModel):
         source = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype or torch.float32)
     src_cfg = source.config
@@ -126,6 +135,10 @@ def convert_to_sse(
         if hasattr(mixer, "lora_q_proj"):
             mixer.lora_q_proj[1].weight.zero_()
             mixer.lora_k_proj[1].weight.zero_()
+    if start == "attention_like":
+        from .align import attention_like_start
+
+        attention_like_start(model)
     return model
 
 

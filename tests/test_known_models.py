@@ -117,18 +117,34 @@ def test_a_gguf_file_loads_with_its_tokenizer_and_converts_to_sse_h(llama_gguf):
         load_pretrained(path.with_name("missing.gguf"))
 
 
-def test_a_converted_gguf_model_distills_and_trains_with_grpo(llama_gguf, tmp_path):
+def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path):
+    """The converted model's path: align (checkpointed, per-layer losses logged and plotted), distillation with the
+    teacher's logits, GRPO; re-running finds every stage done."""
+    import json
+
     from pipeline.recipe import load_recipe
     from pipeline.run import run_recipe
 
     path, _ = llama_gguf
+    run = tmp_path / "run"
     recipe = load_recipe("demo", [
-        f"output_dir={tmp_path / 'run'}", "model.preset=null", "model.tokenizer=null", f"model.convert_from={path}",
-        "distill.max_steps=3", "distill.data.max_samples=64", "distill.batch_size=8",
+        f"output_dir={run}", "model.preset=null", "model.tokenizer=null", f"model.convert_from={path}",
+        "align.steps=4", "align.save_steps=2", "align.batch_size=2", "align.max_length=256", "align.logging_steps=2",
+        "distill.max_steps=3", "distill.data.max_samples=64", "distill.batch_size=8", "distill.teacher_kl=0.5",
+        "distill.logging_steps=1",
         "grpo.steps=2", "grpo.prompts_per_batch=2", "grpo.num_generations=4", "grpo.max_completion_length=16",
         "grpo.dynamic_sampling=false", "eval.enabled=false"])
-    run_recipe(recipe, ("distill", "grpo"))
-    assert (tmp_path / "run" / "grpo" / "final" / "config.json").exists()
+    run_recipe(recipe, ("align", "distill", "grpo"))
+    assert (run / "grpo" / "final" / "config.json").exists()
+    aligned = json.loads((run / "align" / "final" / "stage_done.json").read_text())
+    assert aligned["global_step"] == 4 and aligned["tokens"] == 4 * 2 * 256
+    rows = [json.loads(line) for line in (run / "align" / "metrics.jsonl").read_text().splitlines()]
+    assert {f"align/layer_{i}" for i in range(5)} <= set(rows[0]) and (run / "align" / "layers.png").exists()
+    assert (run / "align" / "checkpoints" / "checkpoint-4").exists()
+    distilled = [json.loads(line) for line in (run / "distill" / "metrics.jsonl").read_text().splitlines()]
+    assert any("teacher_kl" in r and "ce" in r for r in distilled)
+    report = run_recipe(recipe, ("align", "distill", "grpo"))  # everything done: nothing runs again
+    assert "| align |" in report.read_text()
 
 
 def make_wheel(folder: Path, package: str, version: str, files: dict[str, bytes]) -> Path:

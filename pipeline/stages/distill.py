@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from ..balance import BalanceLossMixin
@@ -17,7 +19,7 @@ from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, w
 from ..data import drop_overlong, sft_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
-from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
+from ..models import TRAINING_DTYPE, load_model, load_teacher, resolve_device, trainer_options
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,59 @@ def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
     )
 
 
-class SSESFTTrainer(BalanceLossMixin, SFTTrainer):
-    """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`)."""
+class TeacherKLMixin:
+    """Logit distillation for converted models: the loss is ``(1 - w) * CE + w * T^2 * KL(teacher_T || student_T)``
+    over the completion tokens, ``teacher_T`` the source Transformer's next-token distribution at temperature T (the
+    forward KL of Hinton et al.; T^2 keeps the gradient's scale across temperatures). Without a teacher, TRL's loss.
+
+    Why not TRL's ``DistillationTrainer``: it pads prompt-completion rows and generates on-policy; our batches are
+    packed and padding-free (``cu_seqlens``), with the balance loss, so the loss lives here on SFT's batches. Only
+    the scored positions' logits are built (``logits_to_keep``), in the student and in the teacher."""
+
+    def __init__(self, *args, teacher=None, teacher_kl: float = 0.0, kd_temperature: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher, self.teacher_kl, self.kd_temperature = teacher, teacher_kl, kd_temperature
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.teacher is None or not self.teacher_kl or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        from sse_model.ops.varlen import cu_seqlens_from_position_ids
+
+        inputs = {**inputs, "use_cache": False}
+        labels = inputs.pop("labels")
+        if labels.shape[0] != 1:
+            raise ValueError("teacher_kl needs padding-free batches (one packed row per micro-batch)")
+        target = F.pad(labels, (0, 1), value=-100)[0, 1:].clone()  # the next token of each position
+        cu = inputs.get("cu_seq_lens_q", cu_seqlens_from_position_ids(inputs.get("position_ids")))
+        if cu is not None and cu.numel() > 2:  # a sequence's last token does not predict the next sequence
+            target[cu[1:-1].long() - 1] = -100
+        keep = (target != -100).nonzero().squeeze(-1)
+        target = target[keep]
+        student = model(**inputs, logits_to_keep=keep).logits[0].float()
+        with torch.no_grad():
+            teacher = self.teacher(**inputs, logits_to_keep=keep).logits[0].float()
+        T, w = self.kd_temperature, self.teacher_kl
+        ce = F.cross_entropy(student, target, reduction="sum")
+        kl = F.kl_div(F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1), log_target=True,
+                      reduction="sum") * T * T
+        count = keep.numel() if num_items_in_batch is None else num_items_in_batch
+        loss = ((1 - w) * ce + w * kl) / torch.as_tensor(count).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:  # as TRL's own loss
+            loss = loss * self.accelerator.num_processes
+        n = max(keep.numel(), 1)
+        metrics = self._metrics["train"]
+        gather = self.accelerator.gather_for_metrics
+        metrics["ce"].append(gather(ce.detach() / n).mean().item())
+        metrics["teacher_kl"].append(gather(kl.detach() / n).mean().item())
+        metrics["mean_token_accuracy"].append(gather((student.argmax(-1) == target).float().mean()).mean().item())
+        self._total_train_tokens += gather(torch.tensor(labels.shape[1], device=labels.device)).sum().item()
+        metrics["num_tokens"] = [self._total_train_tokens]
+        return (loss, None) if return_outputs else loss
+
+
+class SSESFTTrainer(BalanceLossMixin, TeacherKLMixin, SFTTrainer):
+    """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`) and, for converted models,
+    the teacher's logits as a second target (:class:`TeacherKLMixin`)."""
 
 
 def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> Path:
@@ -58,8 +111,11 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
                                      recipe.distill.max_length)
     store = recipe.stored_at("distill", "checkpoints")
     resume = resume_point(store, out_dir)
+    cfg = recipe.distill
+    teacher = load_teacher(recipe.model, TRAINING_DTYPE).to(device) if cfg.teacher_kl else None
     trainer = SSESFTTrainer(
         model=model.to(device),
+        teacher=teacher, teacher_kl=cfg.teacher_kl, kd_temperature=cfg.kd_temperature,
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -71,7 +127,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if not is_main_process():  # rank 0 writes the stage's files
         return final
-    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "balance_loss", "learning_rate", "grad_norm"], "distill")
+    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "ce", "teacher_kl", "balance_loss", "learning_rate", "grad_norm"], "distill")
     return save_final(trainer.model, tokenizer, final,
                       {"stage": "distill", "global_step": trainer.state.global_step,
                        "train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})
