@@ -45,7 +45,8 @@ def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
 class TeacherKLMixin:
     """Logit distillation for converted models: the loss is ``(1 - w) * CE + w * T^2 * KL(teacher_T || student_T)``
     over the completion tokens, ``teacher_T`` the source Transformer's next-token distribution at temperature T (the
-    forward KL of Hinton et al.; T^2 keeps the gradient's scale across temperatures). Without a teacher, TRL's loss.
+    forward KL of Hinton et al.; T^2 keeps the gradient's scale across temperatures). Without a teacher, TRL's loss
+    (its chunked LM head never builds the logits).
 
     Why not TRL's ``DistillationTrainer``: it pads prompt-completion rows and generates on-policy; our batches are
     packed and padding-free (``cu_seqlens``), with the balance loss, so the loss lives here on SFT's batches. Only
