@@ -19,7 +19,8 @@ from eval.report import atomic_write
 from .metrics import moving_average, read_metrics
 
 # what produced a model, read off the path of the checkpoint an evaluation names (its ``model`` field)
-STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distillation"), ("/initial", "before training"))
+STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distillation"),
+                 ("/align/final", "after alignment"), ("/initial", "before training"))
 
 
 @dataclass

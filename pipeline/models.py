@@ -117,7 +117,8 @@ def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict
         output_dir=str(out_dir / "checkpoints"),
         learning_rate=stage_config.learning_rate,
         gradient_accumulation_steps=stage_config.gradient_accumulation_steps,
-        gradient_checkpointing=stage_config.gradient_checkpointing,
+        # alignment has none: its student runs only the SSE layers, on the teacher's inputs
+        gradient_checkpointing=getattr(stage_config, "gradient_checkpointing", False),
         gradient_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=stage_config.logging_steps,
         save_steps=stage_config.save_steps,

@@ -73,6 +73,14 @@ class ModelSpec:
     # the weights as stored and served (the engines' default); training always upcasts to float32 master weights
     dtype: str = bounded("float32", choices=DTYPES)
 
+    def converts_layers(self) -> bool:
+        """Whether the model is converted with some layers turned into linear mixers (what the align stage aligns);
+        a conversion that keeps every layer as attention computes what its source computes."""
+        from sse_model.configuration_sse import ATTENTION_MIXERS
+
+        mixers = self.config_overrides.get("mixer_types")
+        return self.convert_from is not None and (mixers is None or any(k not in ATTENTION_MIXERS for k in mixers))
+
 
 @dataclass
 class DataSpec:
@@ -127,7 +135,6 @@ class AlignConfig:
     warmup_ratio: float = bounded(0.05, ge=0, le=1)
     weight_decay: float = bounded(0.0, ge=0)
     gradient_accumulation_steps: int = bounded(1, ge=1)
-    gradient_checkpointing: bool = False  # unused: the student runs its SSE layers only, on the teacher's inputs
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(100, ge=1)
     save_total_limit: int | None = bounded(2, ge=1)
@@ -223,6 +230,9 @@ class EvalStageConfig:
     max_prompt_length: int = bounded(2048, ge=1)
     long_prompts: str = bounded("skip", choices=("skip", "truncate"))  # a problem over max_prompt_length
     limit: int | None = bounded(None, ge=1)  # the first ``limit`` problems of each benchmark
+    # whose models to score: "last" the model the run hands on (into eval/), and any of the training stages'
+    # final models or the "initial" one before training (each into eval/<name>/), so a run reports every step
+    models: list = field(default_factory=lambda: ["last"])
     num_workers: int = bounded(1, ge=1)
     backend: str = bounded("engine", choices=("engine", "hf"))  # the rollout engine or model.generate
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -359,6 +369,22 @@ class Recipe:
                  "grpo.dynamic_sampling: false")
         if self.eval.enabled:
             from eval.benchmarks import BENCHMARKS
+
+            known = ("last", "initial", "align", "distill", "grpo")
+            for name in self.eval.models:
+                if name not in known:
+                    close = difflib.get_close_matches(str(name), known, n=1)
+                    fail("eval.models", f"{name!r} is not one of {list(known)}"
+                         + (f"; did you mean {close[0]}?" if close else ""))
+                if name in ("align", "distill", "grpo") and not getattr(self, name).enabled:
+                    fail("eval.models", f"{name!r}: the {name} stage is disabled, so it leaves no model to score")
+                if name == "align" and not m.converts_layers():
+                    fail("eval.models", "'align': the recipe converts no layer into SSE, so there is no align stage")
+                if name == "initial" and m.path is not None:
+                    fail("eval.models", "'initial': the recipe starts from model.path; score it as 'last' of a run "
+                         "whose stages are off, or evaluate that path with --checkpoint")
+            if len(set(self.eval.models)) != len(self.eval.models):
+                fail("eval.models", f"names a model twice: {self.eval.models}")
 
             if not self.eval.benchmarks:
                 fail("eval.benchmarks", "no benchmark to evaluate (disable the stage with eval.enabled=false)")

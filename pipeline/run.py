@@ -32,14 +32,7 @@ STAGES = ("align", "distill", "grpo", "eval")
 def stage_runs(recipe: Recipe, stage: str) -> bool:
     """Whether ``recipe`` runs ``stage``: enabled, and for ``align`` a model converted into some SSE layers (a model
     built otherwise, or converted with every layer kept as attention, has nothing to align)."""
-    if not getattr(recipe, stage).enabled:
-        return False
-    if stage != "align":
-        return True
-    from sse_model.configuration_sse import ATTENTION_MIXERS
-
-    mixers = recipe.model.config_overrides.get("mixer_types")
-    return recipe.model.convert_from is not None and (mixers is None or any(k not in ATTENTION_MIXERS for k in mixers))
+    return getattr(recipe, stage).enabled and (stage != "align" or recipe.model.converts_layers())
 
 
 class StageSettingsChanged(RecipeError):
@@ -227,6 +220,16 @@ def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
     return path
 
 
+def _stage_model(recipe: Recipe, out: Path, name: str) -> Path:
+    """The model ``eval.models`` names: the initial one, or a training stage's final model in ``out``."""
+    if name == "initial":
+        return initial_checkpoint(recipe, out)
+    final = out / name / "final"
+    if not is_done(final):
+        raise RecipeError(f"eval.models: {name!r}: {final} holds no finished model (run the {name} stage first)")
+    return final
+
+
 def starting_model(recipe: Recipe, out: Path, stages: tuple[str, ...]) -> str | None:
     """The model the first of ``stages`` starts from when no checkpoint is given: the final model of the last
     training stage before it that the recipe enables and that has finished in ``out`` (``sse-pipeline eval`` on a
@@ -334,9 +337,11 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 if group is not None:
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
-            model_dir = _stored(recipe, current or initial_checkpoint(recipe, out), "eval")
             task = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_eval_task)
-            ray.get(task.remote(recipe, str(stage_dir), str(model_dir), where["eval_gpus"]))
+            for name in recipe.eval.models:
+                model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
+                ray.get(task.remote(recipe, str(stage_dir if name == "last" else stage_dir / name),
+                                    str(_stored(recipe, model, "eval")), where["eval_gpus"]))
         timings[stage] = time.time() - stage_start
     report = write_report(recipe, out, timings, time.time() - started)
     return report
@@ -355,6 +360,12 @@ def time_split(rows: list[dict]) -> list[str]:
     rate_text = f"{sum(rate) / len(rate):,.0f}" if rate else ""
     return ["Time per step (mean over logged steps):", "", header, "|" + " --- |" * (len(parts) + 3),
             f"| {len(rows)} | {mean['step']:.2f} | {cells} | {rate_text} |", ""]
+
+
+def _scores(benchmarks: dict) -> str:
+    """``gsm8k avg@4 12.3%; ...`` from an evaluation's ``summary.json`` benchmarks."""
+    return "; ".join(f"{name} avg@{m['repeats']} {100 * m['avg@' + str(m['repeats'])]:.1f}%"
+                     for name, m in benchmarks.items())
 
 
 def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path:
@@ -377,13 +388,14 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
                 k = max(1, len(rewards) // 5)
                 highlight = (f"reward (mean of first/last {k} logs) {sum(rewards[:k]) / k:.3f} -> "
                              f"{sum(rewards[-k:]) / k:.3f}; curve: `grpo/reward_curve.png`")
-        if stage == "eval" and (stage_dir / "results.md").exists():
-            summary = json.loads((stage_dir / "summary.json").read_text())["benchmarks"]
+        if stage == "eval":
             parts = []
-            for name, m in summary.items():
-                n = m["repeats"]
-                parts.append(f"{name} avg@{n} {100 * m[f'avg@{n}']:.1f}%")
-            highlight = "; ".join(parts)
+            for name in recipe.eval.models:  # the last model's scores, then those of the other models scored
+                summary_file = (stage_dir if name == "last" else stage_dir / name) / "summary.json"
+                if summary_file.exists():
+                    text = _scores(json.loads(summary_file.read_text())["benchmarks"])
+                    parts.append(text if name == "last" else f"{name}: {text}")
+            highlight = " / ".join(parts)
         final = stage_dir / "final"
         lines.append(f"| {stage} | {timings.get(stage, 0.0):.0f} | {'`' + str(final) + '`' if final.exists() else ''} | "
                      f"{highlight} |")

@@ -9,7 +9,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sse_model.align import (AttentionTransfer, TeacherTaps, aligned_parameters, freeze_all_but_aligned,
                              normalized_mse, sse_layers)
 from sse_model.convert import convert_to_sse
-from sse_model.layers.common import ForwardContext
 
 VOCAB, LENGTH = 24, 64
 

@@ -133,8 +133,9 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
         "distill.max_steps=3", "distill.data.max_samples=64", "distill.batch_size=8", "distill.teacher_kl=0.5",
         "distill.logging_steps=1",
         "grpo.steps=2", "grpo.prompts_per_batch=2", "grpo.num_generations=4", "grpo.max_completion_length=16",
-        "grpo.dynamic_sampling=false", "eval.enabled=false"])
-    run_recipe(recipe, ("align", "distill", "grpo"))
+        "grpo.dynamic_sampling=false", "eval.benchmarks=[gsm8k]", "eval.limit=2", "eval.repeats=1",
+        "eval.max_new_tokens=8", "eval.models=[last,initial,align]"])
+    run_recipe(recipe, ("align", "distill", "grpo", "eval"))
     assert (run / "grpo" / "final" / "config.json").exists()
     aligned = json.loads((run / "align" / "final" / "stage_done.json").read_text())
     assert aligned["global_step"] == 4 and aligned["tokens"] == 4 * 2 * 256
@@ -143,8 +144,19 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     assert (run / "align" / "checkpoints" / "checkpoint-4").exists()
     distilled = [json.loads(line) for line in (run / "distill" / "metrics.jsonl").read_text().splitlines()]
     assert any("teacher_kl" in r and "ce" in r for r in distilled)
-    report = run_recipe(recipe, ("align", "distill", "grpo"))  # everything done: nothing runs again
-    assert "| align |" in report.read_text()
+    report = run_recipe(recipe, ("align", "distill", "grpo", "eval"))  # everything done: nothing trains again
+    assert "| align |" in report.read_text() and "initial: gsm8k avg@1" in report.read_text()
+    from pipeline.compare import read_run
+
+    scored = {e.stage for e in read_run("sse", run).evaluations}
+    assert scored == {"before training", "after alignment", "after GRPO"}, scored
+    from pipeline.cli import main
+
+    table = run / "loss.md"
+    assert main(["loss", str(path), str(run / "align" / "final"), "--first", "3", "--device", "cpu",
+                 "--out", str(table)]) == 0
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 2 and rows[0].endswith("| 1.00 |") and str(path) in rows[0]
 
 
 def make_wheel(folder: Path, package: str, version: str, files: dict[str, bytes]) -> Path:
@@ -235,6 +247,9 @@ def test_the_transformer_arm_differs_from_the_sse_arm_only_in_its_layers():
     sse, transformer = (recipe_to_dict(load_recipe(n)) for n in ("smollm2-135m", "smollm2-135m-transformer"))
     assert transformer["model"].pop("config_overrides") == {"mixer_types": ["attn"] * 30}
     assert sse["model"].pop("config_overrides") == {}
+    # the SSE-H arm also scores its aligned model, a stage the Transformer arm has no use for
+    assert sse["eval"].pop("models") == ["last", "initial", "align", "distill"]
+    assert transformer["eval"].pop("models") == ["last", "initial", "distill"]
     for key in ("name", "output_dir"):
         assert sse.pop(key) != transformer.pop(key)
     assert sse == transformer

@@ -237,6 +237,12 @@ def test_grpo_data_with_an_empty_answer_is_refused(tmp_path):
     ("grpo.top_p=1.5", "grpo.top_p"),
     ("grpo.epsilon_high=0.1", "grpo.epsilon_high"),
     ("model.preset=sse-h-3b", "model.preset"),
+    ("eval.models=[distil]", "eval.models"),
+    ("eval.models=[align]", "eval.models"),  # the demo converts nothing: no align stage
+    ("eval.models=[last,last]", "eval.models"),
+    ("distill.teacher_kl=0.5", "distill.teacher_kl"),  # no converted Transformer to learn from
+    ("align.lr_scheduler=cosin", "align.lr_scheduler"),
+    ("align.train=none", "align.train"),
 ])
 def test_values_that_cannot_work_are_refused_when_the_recipe_loads(override, key):
     """Checked before anything runs, with the file and the key in the message (each of these used to be

@@ -148,6 +148,7 @@ def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> 
     plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "learning_rate", "grad_norm"], "align")
     plot_layers(out_dir / "metrics.jsonl", out_dir / "layers.png")
     model.requires_grad_(True)
+    # tokens: every row is full but the data's last one, so this is exact unless the steps reached that row
     return save_final(model, tokenizer, final, {"stage": "align", "global_step": trainer.state.global_step,
                                                 "train_loss": result.training_loss, "trained": cfg.train,
                                                 "tokens": trainer.state.global_step * tokens // cfg.steps})
