@@ -155,7 +155,7 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     table = run / "loss.md"
     assert main(["loss", str(path), str(run / "align" / "final"), "--first", "3", "--device", "cpu",
                  "--out", str(table)]) == 0
-    rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][1:]
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][2:]  # after header, rule
     assert len(rows) == 2 and rows[0].endswith("| 1.00 |") and str(path) in rows[0]
 
 
