@@ -86,7 +86,9 @@ def main(argv=None) -> Path:
         metrics = out / "main" / stage / "metrics.jsonl"
         done = json.loads((out / "main" / stage / "final" / "stage_done.json").read_text())
         tokens = done.get("tokens") or _last(metrics, "num_tokens")
-        lines.append(f"| {stage} | {seconds:.0f} | {tokens:,.0f} | {_last(metrics, 'loss'):.4f} |")
+        loss = _last(metrics, "loss")
+        loss = done.get("train_loss", loss) if loss != loss else loss  # nothing logged: the run's mean loss
+        lines.append(f"| {stage} | {seconds:.0f} | {tokens:,.0f} | {loss:.4f} |")
     lines.append("")
     import torch
 
