@@ -7,6 +7,7 @@ setting twice (``0 0``) to see that cost alone."""
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def main() -> None:
     from pipeline.stages.distill import SSESFTTrainer, sft_config
     from pipeline.tokenizer import build_char_tokenizer
 
-    source = Path("/tmp/smollm2-shape")
+    work = Path(tempfile.mkdtemp(prefix="distill-step-"))
+    source = work / "smollm2-shape"
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SMOLLM2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -48,7 +50,7 @@ def main() -> None:
         clock = Clock()
         clock.times = []
         torch.cuda.reset_peak_memory_stats()
-        trainer = SSESFTTrainer(model=model.cuda(), args=sft_config(recipe, Path("/tmp/distill-step"), resolve_device("cuda")),
+        trainer = SSESFTTrainer(model=model.cuda(), args=sft_config(recipe, work / "run", resolve_device("cuda")),
                                 train_dataset=data, processing_class=tok, teacher=teacher, teacher_kl=weight,
                                 callbacks=[clock])
         trainer.train()
