@@ -107,6 +107,12 @@ def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
     return Dataset.from_list(rows)
 
 
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``messages`` through the chat template, as distillation tokenises a conversation."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def drop_overlong(dataset: Dataset, tokenizer, max_length: int) -> tuple[Dataset, int]:
     """The conversations that fit ``max_length`` tokens (chat template applied), and how many were dropped.
 

@@ -30,12 +30,13 @@ class LossResult:
 
 def encode(tokenizer, row: dict) -> tuple[list[int], int]:
     """``(token ids of the whole conversation, number of ids before the solution)``."""
-    prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
-    if not full.startswith(prompt):
+    from .data import chat_ids
+
+    prompt = chat_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+    ids = chat_ids(tokenizer, row["prompt"] + row["completion"])
+    if ids[:len(prompt)] != prompt:
         raise ValueError("the chat template does not extend the prompt with the completion; cannot locate the solution")
-    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    return ids, len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return ids, len(prompt)
 
 
 @torch.no_grad()

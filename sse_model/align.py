@@ -146,7 +146,8 @@ class AttentionTransfer(nn.Module):
 def attention_like_start(model, decay_bias: float = 6.0) -> None:
     """An SSE-aware start for converted layers: decays near 1 (``logsigmoid(decay_bias) / gate_logit_normalizer`` per
     token, about 2.5e-3 / 16 at 6.0, a memory of thousands of tokens, as attention's is the whole context)
-    instead of fresh gates' ``logsigmoid(0) / 16`` (a memory of ~20 tokens). The output gate cannot start as the
+    instead of fresh gates' ``logsigmoid(0) / 16`` (a memory of ~20 tokens); the gates' input weights are scaled
+    by 0.1 so that the bias, not the token, sets the decay at the start. The output gate cannot start as the
     identity (``silu(g_proj(x))`` has no bias), so it and the norm keep their fresh start; alignment learns them."""
     for i in sse_layers(model):
         mixer = model.model.layers[i].attn

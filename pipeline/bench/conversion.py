@@ -51,6 +51,7 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     models: list[tuple[str, str]] = []
     rows = []
+    own_start = load_recipe(args.recipe, args.overrides).model.convert_start  # its converted model is scored below
     if args.ablation_steps:
         for start in ("fresh", "attention_like"):
             for train in ("new", "all"):
@@ -59,7 +60,7 @@ def main(argv=None) -> Path:
                                                    f"model.convert_start={start}", f"align.train={train}",
                                                    f"align.steps={args.ablation_steps}", "distill.enabled=false"])
                 seconds = _timed(recipe, ("align",))
-                if train == "new":
+                if train == "new" and start != own_start:
                     before = initial_checkpoint(recipe, out / name)
                     models.append((f"converted, {start} start (before training)", str(before)))
                 models.append((f"aligned {args.ablation_steps} steps: {start} start, trains {train}",

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainingArguments
 from sse_model.align import AttentionTransfer, freeze_all_but_aligned
 
 from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
-from ..data import sft_dataset
+from ..data import chat_ids, sft_dataset
 from ..metrics import MetricsLogger, plot_curves, read_metrics
 from ..models import TRAINING_DTYPE, load_model, load_teacher, resolve_device, trainer_options
 from ..recipe import Recipe
@@ -32,8 +32,7 @@ def packed_rows(dataset, tokenizer, max_length: int) -> list[dict]:
     tokens: ``{"input_ids", "lengths"}`` (a conversation longer than a row is cut into pieces, each a sequence)."""
     rows, ids, lengths = [], [], []
     for prompt, completion in zip(dataset["prompt"], dataset["completion"]):
-        tokens = tokenizer(tokenizer.apply_chat_template(prompt + completion, tokenize=False),
-                           add_special_tokens=False)["input_ids"]
+        tokens = chat_ids(tokenizer, prompt + completion)
         while tokens:
             room = max_length - len(ids)
             piece, tokens = tokens[:room], tokens[room:]
