@@ -87,7 +87,12 @@ def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
     """A conversational prompt-completion dataset: ``prompt`` (user problem + instruction) and ``completion``
     (the assistant's solution), so the loss covers the completion whatever the tokenizer's chat template (TRL's
     assistant-only loss needs ``{% generation %}`` markers that real templates lack). Records that hold
-    ``messages`` are split before their last message, which must be the assistant's."""
+    ``messages`` are split before their last message, which must be the assistant's. ``spec.mix`` adds rows."""
+    rows = _sft_rows(spec, instruction) + [row for m in spec.mix for row in sft_dataset(m, instruction).to_list()]
+    return Dataset.from_list(rows)
+
+
+def _sft_rows(spec: DataSpec, instruction: str) -> list[dict]:
     records = _subsample(_load_records(spec), spec)
     rows = []
     for i, record in enumerate(records):
@@ -104,7 +109,7 @@ def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
                      "completion": [{"role": "assistant", "content": str(solution)}]})
     if not rows:
         raise ValueError(f"data source {spec.source!r} is empty")
-    return Dataset.from_list(rows)
+    return rows
 
 
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
@@ -137,10 +142,10 @@ def drop_overlong(dataset: Dataset, tokenizer, max_length: int) -> tuple[Dataset
 
 
 def prompt_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
-    """A GRPO dataset: conversational ``prompt`` and the ground-truth ``answer``."""
+    """A GRPO dataset: conversational ``prompt`` and the ground-truth ``answer`` (``spec.mix`` adds rows)."""
     records = _subsample(_load_records(spec), spec)
     rows = [{"prompt": [user_message(str(_field(r, spec, "problem", i)), instruction)],
              "answer": str(_field(r, spec, "answer", i))} for i, r in enumerate(records)]
     if not rows:
         raise ValueError(f"data source {spec.source!r} is empty")
-    return Dataset.from_list(rows)
+    return Dataset.from_list(rows + [row for m in spec.mix for row in prompt_dataset(m, instruction).to_list()])

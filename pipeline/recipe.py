@@ -85,13 +85,16 @@ class ModelSpec:
 @dataclass
 class DataSpec:
     """A dataset: ``builtin:arithmetic`` (synthetic), a packaged benchmark/training set name, a local
-    JSONL/JSON/parquet path, or a Hugging Face hub name. ``fields`` maps our names to the source's."""
+    JSONL/JSON/parquet path, or a Hugging Face hub name. ``fields`` maps our names to the source's. ``mix``: more
+    datasets whose rows join this one's (each with its own source, fields and sample count), e.g. synthetic
+    problems beside a real training set; the trainers shuffle the union."""
 
     source: str = "builtin:arithmetic"
     split: str = "train"
     fields: dict = field(default_factory=dict)
     max_samples: int | None = bounded(None, ge=1)
     seed: int = bounded(0, ge=0)
+    mix: list[DataSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -434,6 +437,9 @@ def _convert(value, tp, key: str, where: str):
     if tp is list or origin is list:
         if not isinstance(value, list):
             raise RecipeError(f"{where}: {key}: expected a list, got {type(value).__name__}")
+        item = (typing.get_args(tp) or (None,))[0]
+        if dataclasses.is_dataclass(item):
+            return [_convert(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
         return value
     if tp is dict or origin is dict:
         if not isinstance(value, dict):

@@ -206,8 +206,8 @@ def test_a_known_model_not_fetched_is_a_clear_error(tmp_path, monkeypatch, capsy
 
 
 def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
-    """The packaged GSM8K train traces end in the answer format the rewards score, with no calculator notes; GRPO's
-    word problems are none of the evaluation's."""
+    """The packaged GSM8K train traces end in the answer format the rewards score, with no calculator notes; the
+    word problems of distillation and GRPO are none of the evaluation's."""
     from eval.benchmarks import load_problems
     from pipeline.data import builtin_records, prompt_dataset, sft_dataset
     from pipeline.recipe import DataSpec, load_recipe
@@ -218,14 +218,15 @@ def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
     assert recipe.eval.benchmarks == ["gsm8k", "word_problems", "math500"]
     traces = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
     answers = prompt_dataset(DataSpec(source="gsm8k_train"), recipe.prompt_instruction)
-    assert len(traces) == len(answers) == 7473
+    assert len(traces) == 7473 + 3000 and len(answers) == 7473
     for row, prompt in zip(traces.select(range(0, 7473, 97)), answers.select(range(0, 7473, 97))):
         text = row["completion"][0]["content"]
         assert "<<" not in text and "####" not in text
         assert extract_answer(text) == prompt["answer"], text
-    grpo = {r["problem"] for r in builtin_records(recipe.grpo.data.source, recipe.grpo.data)}
     held_out = {p.problem for p in load_problems("word_problems")}
-    assert len(grpo) > 1000 and not grpo & held_out
+    for spec in (recipe.grpo.data, *recipe.distill.data.mix):
+        trained = {r["problem"] for r in builtin_records(spec.source, spec)}
+        assert len(trained) > 1000 and not trained & held_out, spec
 
 
 def test_a_damaged_cached_model_is_refused_on_use(tmp_path, monkeypatch):

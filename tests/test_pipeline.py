@@ -220,6 +220,26 @@ def test_grpo_data_with_an_empty_answer_is_refused(tmp_path):
         prompt_dataset(DataSpec(source=str(data)))
 
 
+def test_a_data_mix_adds_each_sources_rows_with_its_own_fields(tmp_path):
+    """``data.mix`` joins datasets, each read with its own field map and sample count; a bad key in a mixed
+    dataset is named with its place in the list."""
+    from pipeline.data import prompt_dataset, sft_dataset
+    from pipeline.recipe import RecipeError, load_recipe
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"q": "1+1?", "a": "2", "s": "1+1=2"}\n{"q": "2+2?", "a": "4", "s": "2+2=4"}\n')
+    recipe = load_recipe("demo", ["distill.data.source=builtin:arithmetic", "distill.data.max_samples=3",
+                                  f"distill.data.mix=[{{source: {data}, fields: {{problem: q, answer: a, solution: s}}}},"
+                                  " {source: 'builtin:word_problems?steps=1', max_samples: 2, seed: 5}]"])
+    spec = recipe.distill.data
+    sft, prompts = sft_dataset(spec, "Go."), prompt_dataset(spec, "Go.")
+    assert len(sft) == len(prompts) == 3 + 2 + 2
+    assert sft[3]["completion"][0]["content"] == "1+1=2" and prompts[4]["answer"] == "4"
+    assert prompts[5]["prompt"][0]["content"].endswith("now?\nGo.")
+    with pytest.raises(RecipeError, match=r"distill\.data\.mix\[1\]\.max_sample: unknown key"):
+        load_recipe("demo", ["distill.data.mix=[{source: a}, {source: b, max_sample: 2}]"])
+
+
 @pytest.mark.parametrize("override, key", [
     ("eval.limit=-1", "eval.limit"),
     ("eval.repeats=0", "eval.repeats"),
