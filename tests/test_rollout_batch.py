@@ -122,15 +122,18 @@ def grpo_trainer(tmp_path, groups: list[list[str]], overrides, prompts: int = 1)
     return trainer, [data[i] for i in range(prompts) for _ in range(8)]
 
 
-def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path):
+def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path, caplog):
     """The paper recipe's setting (overlong penalty on, truncated completions masked): a group of 8 with 1 right, 3
     wrong and 4 cut at the length limit. The truncated rows get advantage 0 and the advantages of the rows in the
-    loss sum to zero; scored, the truncated rows' -1 dragged the baseline down and gave the wrong answers +0.50."""
+    loss sum to zero; scored, the truncated rows' -1 dragged the baseline down and gave the wrong answers +0.50.
+    TRL's warning about rows without a reward (a whole prompt and completion per batch) stays out of the log."""
     right, wrong, cut = "So \\boxed{2}", "So \\boxed{4}", "so so so ..."
     trainer, inputs = grpo_trainer(tmp_path, [[right, wrong, wrong, wrong, cut, cut, cut, cut]], [
         "grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0", "grpo.rewards.format=0.0",
         "grpo.dynamic_sampling=false", "grpo.importance_sampling=none", "grpo.max_completion_length=16"])
-    batch = trainer._generate_and_score_completions(inputs)
+    with caplog.at_level("WARNING"):
+        batch = trainer._generate_and_score_completions(inputs)
+    assert not [r for r in caplog.records if "returned None" in r.getMessage()]
     advantages, in_loss = batch["advantages"], batch["completion_mask"].sum(1) > 0
     assert in_loss.tolist() == [True] * 4 + [False] * 4
     assert advantages[4:].abs().max() == 0

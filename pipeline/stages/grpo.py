@@ -102,6 +102,18 @@ def unscored_if_truncated(reward, end_ids: set[int]):
     return call
 
 
+class QuietUnscoredRows(logging.Filter):
+    """Drops TRL's warning about a row that every reward left None: under ``mask_truncated_completions`` the
+    truncated rows are unscored on purpose (:func:`unscored_if_truncated`), and TRL's warning printed a whole
+    prompt and completion once per generation batch (TRL's ``completions/clipped_ratio`` counts them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "All reward functions returned None" not in record.getMessage()  # after accelerate's "[RANK i] "
+
+
+TRL_GRPO_LOGGER = "trl.trainer.grpo_trainer"
+
+
 def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier, end_ids: set[int] | None = None):
     """The recipe's reward functions and weights; with ``grpo.mask_truncated_completions``, ``end_ids`` (the
     tokenizer's EOS and pad ids) tell finished completions from truncated ones, which are left unscored."""
@@ -119,6 +131,9 @@ def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier, end_ids:
                 if end_ids is None:
                     raise ValueError("grpo.mask_truncated_completions needs the tokenizer's EOS and pad ids")
                 reward = unscored_if_truncated(reward, end_ids)
+                trl_logger = logging.getLogger(TRL_GRPO_LOGGER)
+                if not any(isinstance(f, QuietUnscoredRows) for f in trl_logger.filters):
+                    trl_logger.addFilter(QuietUnscoredRows())
             funcs.append(timed(reward, timer, name))
             weights.append(weight)
     if not funcs:
