@@ -324,6 +324,20 @@ PRESETS: dict[str, dict] = {
         vocab_size=151936, hidden_size=512, num_hidden_layers=12, mixer_types=hybrid_mixer_types(12),
         num_heads=4, head_dim=128, num_attention_heads=8, num_sparse_partitions=4, tie_word_embeddings=True,
     ),
+    # SmolLM2-135M-Instruct converted (recipes/smollm2-135m.yaml): 30 layers x 576, 9 heads of 64, 3 KV heads, tied
+    # embeddings; what sse_config_from_transformer makes of its Llama config (a test holds them equal), for the
+    # benchmarks of the real model's shape with random weights.
+    "sse-h-smollm2": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        mixer_types=hybrid_mixer_types(30), num_heads=9, head_dim=64, num_attention_heads=9, num_key_value_heads=3,
+        attention_head_dim=64, num_sparse_partitions=4, rope_theta=100000.0, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "transformer-smollm2": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, mixer_types=["attn"] * 30,
+        num_heads=9, head_dim=64, num_attention_heads=9, num_key_value_heads=3, attention_head_dim=64,
+        rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
     "sse-h-tiny": dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=6, mixer_types=hybrid_mixer_types(6),
         num_heads=4, head_dim=16, num_attention_heads=4, num_sparse_partitions=4, intermediate_size=128,

@@ -243,6 +243,21 @@ def test_paper_presets_match_the_paper():
     assert SSEConfig.from_preset("sse-h-2b").mixer_types.count("attn") == 3
 
 
+def test_smollm2_presets_are_what_conversion_makes_of_smollm2():
+    """``sse-h-smollm2`` / ``transformer-smollm2`` (benchmarks at the real model's shape) equal the configuration
+    conversion builds from SmolLM2-135M's Llama config, every field that shapes the computation."""
+    from transformers import LlamaConfig
+
+    from kernels.bench.bench_packed import SMOLLM2
+    from sse_model.convert import sse_config_from_transformer
+
+    skip = {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version"}
+    for preset, mixers in (("sse-h-smollm2", None), ("transformer-smollm2", ["attn"] * 30)):
+        made = sse_config_from_transformer(LlamaConfig(**SMOLLM2), mixers).to_dict()
+        named = SSEConfig.from_preset(preset).to_dict()
+        assert {k: v for k, v in named.items() if k not in skip} == {k: v for k, v in made.items() if k not in skip}
+
+
 def test_gdn_gate_target_value_lets_the_router_learn_from_the_output():
     """With the reference's key gating the in-op L2 norm divides the router's gates away; value gating keeps them."""
     ratios = {}
