@@ -67,10 +67,13 @@ def _sms(device: torch.device) -> int:
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """The dispatch point's ``linear`` (:func:`sse_model.ops.dispatch.linear`, called without autograd): a product
-    of at most :data:`SERVED_ROWS` rows in bf16 / fp16; None declines (cuBLAS then runs it)."""
+    of at most :data:`SERVED_ROWS` rows in bf16 / fp16, the residual in their dtype or in float32 (an engine's
+    float32 residual stream); None declines (cuBLAS then runs it)."""
     rows = x.numel() // max(1, x.shape[-1])
-    tensors = [t for t in (x, weight, bias, residual) if t is not None]
+    tensors = [t for t in (x, weight, bias) if t is not None]
     if rows > SERVED_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or len({t.dtype for t in tensors}) != 1:
+        return None
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
         return None
     if not weight.is_contiguous() or (residual is not None and residual.shape != (*x.shape[:-1], weight.shape[0])):
         return None
@@ -80,7 +83,8 @@ def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias) (+ residual)`` for ``x [..., K]`` of at most :data:`MAX_ROWS` rows (the rows may be
-    strided, the last dimension contiguous), ``weight [N, K]`` contiguous; output ``[..., N]`` in ``x``'s dtype.
+    strided, the last dimension contiguous), ``weight [N, K]`` contiguous; output ``[..., N]`` in ``x``'s dtype, or in
+    the residual's when one is given (a float32 stream gets its sum unrounded).
     ``config`` overrides :func:`skinny_config` (benchmarks)."""
     K = x.shape[-1]
     N = weight.shape[0]
@@ -92,7 +96,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{MAX_ROWS} rows)")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype if residual is None else residual.dtype)
     r2 = None
     if residual is not None:
         r2 = residual.reshape(M, N)

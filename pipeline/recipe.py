@@ -156,6 +156,7 @@ class EngineConfig:
     use_cuda_graphs: bool | None = None
     overlap: bool | None = None  # queue each decode step before the host reads the last one's tokens; default: CUDA
     dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
+    residual_dtype: str | None = bounded(None, choices=DTYPES)  # float32: skip connections as in training (ours only)
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
 
 
@@ -370,6 +371,10 @@ class Recipe:
                  f"{g.loss_type!r}: a short batch is filled with groups masked out of the loss, which {g.loss_type} "
                  "counts in its normalisation (the step shrinks by the informative fraction); or set "
                  "grpo.dynamic_sampling: false")
+        for stage, engine in (("grpo", g.engine), ("eval", self.eval.engine)):
+            if engine.residual_dtype is not None and engine.backend != "sse":
+                fail(f"{stage}.engine.residual_dtype", f"is an option of this package's engine (backend: sse); "
+                     f"{engine.backend} runs the model its own way")
         if self.eval.enabled:
             from eval.benchmarks import BENCHMARKS
 

@@ -120,6 +120,10 @@ class SSEModel(SSEPreTrainedModel):
         self.layers = nn.ModuleList(SSEBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        # The residual stream's dtype when it should be wider than the weights (None: the embeddings'). A bf16
+        # rollout engine sets float32: the skip connections then add as in training, where float32 master weights
+        # under bf16 autocast keep the stream in float32 (the norms still write the weights' dtype).
+        self.residual_dtype: torch.dtype | None = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -144,6 +148,8 @@ class SSEModel(SSEPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.residual_dtype is not None:
+            hidden = hidden.to(self.residual_dtype)
         B, T = hidden.shape[:2]
         if cu_seqlens is None:
             cu_seqlens = kwargs.get("cu_seq_lens_q")

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from .ops.dispatch import linear, rms_norm, silu_mul
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the matrix products that read ``x`` compute in: autocast's where it is on, else ``x``'s."""
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the matrix products that read a norm's output compute in: autocast's where it is on, else that of
+    the weights they hold, which is the norm's own ``weight``'s (a float32 residual stream between bf16 weights,
+    :attr:`SSEModel.residual_dtype`, is normed into bf16)."""
     device = x.device.type
     if x.is_floating_point() and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
-    return x.dtype
+    return weight.dtype
 
 
 class Linear(nn.Linear):
@@ -39,14 +41,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, out_dtype=compute_dtype(x))
+        return rms_norm(x, self.weight, self.eps, out_dtype=compute_dtype(x, self.weight))
 
 
 class GatedRMSNorm(RMSNorm):
     """``RMSNorm(x) * silu(gate)``: the GLA output norm and gate (fla ``FusedRMSNormGated``)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, gate, out_dtype=compute_dtype(x))
+        return rms_norm(x, self.weight, self.eps, gate, out_dtype=compute_dtype(x, self.weight))
 
 
 def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:

@@ -403,7 +403,8 @@ def test_skinny_linear_matches_reference(dtype, rows, N, K, bias, residual):
 
 def test_skinny_dispatch_serves_generation_only():
     """The dispatch point sends few-row bf16 products without autograd to the kernel (equal to F.linear + residual
-    within bf16 rounding) and everything else to PyTorch: gradients, float32, too many rows."""
+    within bf16 rounding; a float32 residual summed in float32) and everything else to PyTorch: gradients, float32,
+    too many rows."""
     from kernels.skinny import SERVED_ROWS, skinny_linear_op
 
     x, w, r = (torch.randn(4, 64).to(DEVICE, torch.bfloat16), torch.randn(48, 64).to(DEVICE, torch.bfloat16),
@@ -413,6 +414,10 @@ def test_skinny_dispatch_serves_generation_only():
     assert skinny_linear_op(x.float(), w.float()) is None
     assert skinny_linear_op(x.repeat(SERVED_ROWS, 1), w) is None
     assert skinny_linear_op(x, w, None, r[:, :5]) is None
+    wide = torch.randn(4, 48).to(DEVICE) * 1e3  # a float32 residual stream: the sum is written in float32
+    out = skinny_linear_op(x, w, None, wide)
+    assert out.dtype == torch.float32
+    assert_close(out.cpu(), (wide.double() + x.double() @ w.double().T).cpu().float(), torch.float32, "wide")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -273,6 +273,14 @@ def test_values_that_cannot_work_are_refused_when_the_recipe_loads(override, key
         load_recipe("demo", [override])
 
 
+def test_a_residual_dtype_for_vllm_is_refused():
+    """``engine.residual_dtype`` is our engine's option; vLLM would take it and run as before without a word."""
+    for stage in ("grpo", "eval"):
+        with pytest.raises(RecipeError, match=f"demo.yaml.*{stage}.engine.residual_dtype.*backend: sse"):
+            load_recipe("demo", [f"{stage}.engine.backend=vllm", f"{stage}.engine.residual_dtype=float32"])
+    assert load_recipe("demo", ["eval.engine.residual_dtype=float32"]).eval.engine.residual_dtype == "float32"
+
+
 def test_one_run_per_output_folder(tmp_path):
     """A second run fails at once naming the first; a lock left by a killed run is taken over."""
     from pipeline.lock import LOCK_NAME, RunLock, RunLockedError

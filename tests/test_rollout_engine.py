@@ -66,6 +66,29 @@ def test_logprobs_match_full_forward(model, tokenizer):
     assert torch.allclose(torch.tensor(seq.logprobs), torch.tensor(expected), atol=1e-4, rtol=1e-4)
 
 
+def test_a_float32_residual_brings_a_bf16_engine_closer_to_the_trainer(model, tokenizer):
+    """bf16 weights with the skip connections added in float32 (``residual_dtype``) score their samples closer to
+    the trainer (float32 master weights under bf16 autocast: bf16 products, a float32 residual stream) than the
+    all-bf16 engine: 0.57-0.72x its mean gap over four sampling seeds here (the rest: the engine's bf16 embeddings,
+    decay parameters and gates, which the trainer keeps in float32). The trainer's model is left as it was."""
+    gaps = {}
+    for residual in (None, torch.float32):
+        engine = make_engine(copy.deepcopy(model), tokenizer, dtype=torch.bfloat16, residual_dtype=residual)
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=40, seed=3, ignore_eos=True))
+        gap = []
+        for out in outs:
+            seq = out.outputs[0]
+            full = torch.tensor([out.prompt_token_ids + seq.token_ids])
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                logp = torch.log_softmax(model(full).logits[0].float(), -1)
+            P = len(out.prompt_token_ids)
+            trainer = torch.tensor([logp[P - 1 + i, t].item() for i, t in enumerate(seq.token_ids)])
+            gap.append((torch.tensor(seq.logprobs) - trainer).abs())
+        gaps[residual] = torch.cat(gap).mean().item()
+    assert model.model.residual_dtype is None and next(model.parameters()).dtype == torch.float32
+    assert gaps[torch.float32] < 0.8 * gaps[None], gaps
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(model, tokenizer):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=15, seed=11, ignore_eos=True)
     alone = make_engine(model, tokenizer).generate([PROMPTS[0]], params)[0].outputs[0].token_ids

@@ -170,7 +170,8 @@ class Engine:
     of ``block_size`` tokens.
     ``num_blocks`` overrides what the budget holds. ``prefill_chunk_size`` is the number of prompt tokens
     prefilled per engine step. ``overlap`` (default: on CUDA) queues each decode step before the host has read
-    the previous one's tokens (see ``_decode``); outputs are the same either way."""
+    the previous one's tokens (see ``_decode``); outputs are the same either way. ``residual_dtype`` (float32)
+    keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`)."""
 
     def __init__(
         self,
@@ -187,6 +188,7 @@ class Engine:
         num_blocks: int | None = None,
         use_cuda_graphs: bool | None = None,
         overlap: bool | None = None,
+        residual_dtype: torch.dtype | None = None,
         seed: int = 0,
     ):
         if isinstance(model, (str, Path)):
@@ -202,6 +204,7 @@ class Engine:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(device=device, dtype=dtype or next(model.parameters()).dtype).eval()
         self.model.pack_projections()  # one product per group of maps that read one input (a decode step's GEMMs)
+        self.model.model.residual_dtype = residual_dtype  # float32: skip connections added as the trainer adds them
         self.tokenizer = tokenizer
         self.config = model.config
         self.device, self.dtype = device, next(self.model.parameters()).dtype

@@ -4,7 +4,9 @@ For each position P in ``--positions``: a random prompt of P tokens; the engine 
 chunked prefill, recurrent decode) samples ``--new-tokens`` tokens and returns their log-probabilities; the
 trainer (float32 master weights under bf16 autocast on CUDA, one full forward as in a training step) scores the
 same tokens. Prints, per position, mean and max |logp_engine - logp_trainer| and the token-level importance ratio
-that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]). Random weights.
+that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]), for each ``--residual`` of the
+engine: its skip connections in the weights' dtype, or in float32 as the trainer adds them (``residual_dtype``).
+Random weights.
 
     python -m pipeline.rollout.bench.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
     python -m pipeline.rollout.bench.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
@@ -51,6 +53,8 @@ def main() -> None:
     parser.add_argument("--positions", type=int, nargs="+", default=[2048, 8192, 32000])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--residual", nargs="+", default=["weights", "float32"], choices=["weights", "float32"],
+                        help="the engine's residual stream: the weights' dtype, or float32 (engine residual_dtype)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -64,19 +68,24 @@ def main() -> None:
     torch.manual_seed(args.seed)
     config = SSEConfig.from_preset(args.preset, max_position_embeddings=max(args.positions) + args.new_tokens)
     trainer_model = SSEForCausalLM(config).to(device).eval()  # float32 master weights
-    engine_model = copy.deepcopy(trainer_model).to(getattr(torch, args.engine_dtype))
-    engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
-                    prefill_chunk_size=8192, use_cuda_graphs=False)
-    rows = [measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i)
-            for i, p in enumerate(args.positions)]
+    rows = []
+    for residual in args.residual:
+        engine_model = copy.deepcopy(trainer_model).to(getattr(torch, args.engine_dtype))
+        engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
+                        prefill_chunk_size=8192, use_cuda_graphs=False,
+                        residual_dtype=torch.float32 if residual == "float32" else None)
+        rows += [{"residual": residual, **measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i)}
+                 for i, p in enumerate(args.positions)]
+        del engine, engine_model
     print(f"\n{args.preset}: engine {args.engine_dtype} vs trainer float32 weights"
           f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'})\n")
-    print("| position | mean abs logp gap | max abs logp gap | ratio mean | ratio min | ratio max | outside [1/2, 2] |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| engine residual | position | mean abs logp gap | max abs logp gap | ratio mean | ratio min | ratio max "
+          "| outside [1/2, 2] | engine s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['position']} | {r['mean']:.2e} | {r['max']:.2e} | {r['ratio_mean']:.3f} | {r['ratio_min']:.3f} "
-              f"| {r['ratio_max']:.3f} | {r['outside']:.1%} |")
+        print(f"| {r['residual']} | {r['position']} | {r['mean']:.2e} | {r['max']:.2e} | {r['ratio_mean']:.3f} "
+              f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | {r['outside']:.1%} | {r['engine_s']:.2f} |")
 
 
 if __name__ == "__main__":
