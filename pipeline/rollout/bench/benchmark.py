@@ -2,6 +2,7 @@
 
     python -m pipeline.rollout.bench.benchmark                       # defaults below
     python -m pipeline.rollout.bench.benchmark --new-tokens 8192     # longer generations
+    python -m pipeline.rollout.bench.benchmark --residual float32    # the engine's float32 residual stream
 
 Models have random weights (throughput does not depend on them); EOS is ignored so every sample runs to
 ``--new-tokens``. Rows: the engine on the 2B SSE-H preset (``--prompts`` x ``--samples`` sequences), HF
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--hf-new-tokens", type=int, default=256)
     parser.add_argument("--long", type=int, default=32768)
+    parser.add_argument("--residual", default="weights", choices=["weights", "float32"],
+                        help="the engine's residual stream: the weights' dtype, or float32 (engine residual_dtype)")
     args = parser.parse_args()
     from kernels.bench.bench_sse import limit_autotune
 
@@ -89,7 +92,8 @@ def main() -> None:
     params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     for graphs in (True, False):
         engine = Engine(model, None, max_slots=args.prompts * args.samples, max_model_len=max_len,
-                        prefill_chunk_size=8192, use_cuda_graphs=graphs)
+                        prefill_chunk_size=8192, use_cuda_graphs=graphs,
+                        residual_dtype=torch.float32 if args.residual == "float32" else None)
         try:
             engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=0))  # warm-up
             break
@@ -106,7 +110,8 @@ def main() -> None:
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     engine_tps = generated / elapsed
     peak = torch.cuda.max_memory_allocated()
-    rows.append((f"engine, {args.preset}", args.prompts * args.samples, args.new_tokens, engine_tps))
+    rows.append((f"engine, {args.preset}" + (", float32 residual" if args.residual == "float32" else ""),
+                 args.prompts * args.samples, args.new_tokens, engine_tps))
     print(f"engine: {generated} tokens in {elapsed:.1f} s; graphs={engine.use_cuda_graphs}", flush=True)
 
     # decode step vs roofline at the full batch
