@@ -319,6 +319,39 @@ def test_model_with_and_without_backend():
     assert (out == ref_out).float().mean() > 0.9  # greedy may flip on near-ties after tf32 differences
 
 
+def test_engine_float32_residual_with_and_without_cuda_graphs():
+    """The engine's float32 residual stream (bf16 weights, the skinny kernel summing into float32) at SmolLM2's
+    shape: CUDA graph replay and eager steps give the same log-probabilities, closer to the float32 model under
+    bf16 autocast (the trainer) than the all-bf16 engine's."""
+    import copy
+
+    from pipeline.rollout import Engine, SamplingParams
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    torch.manual_seed(0)
+    model = SSEForCausalLM(SSEConfig.from_preset("sse-h-smollm2")).cuda().eval()
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (17, 300, 1000)]
+    params = SamplingParams(temperature=1.0, max_tokens=48, seed=1, ignore_eos=True)
+    logps, gaps = {}, {}
+    for residual, graphs in ((None, True), (torch.float32, True), (torch.float32, False)):
+        engine = Engine(copy.deepcopy(model), None, dtype=torch.bfloat16, max_slots=4, max_model_len=1100,
+                        use_cuda_graphs=graphs, residual_dtype=residual)
+        outs = [o.outputs[0] for o in engine.generate(prompts, params)]
+        logps[(residual, graphs)] = torch.tensor([lp for o in outs for lp in o.logprobs])
+        trainer = []
+        for prompt, out in zip(prompts, outs):
+            full = torch.tensor([prompt + out.token_ids], device="cuda")
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                lp = torch.log_softmax(model(full).logits[0, len(prompt) - 1:-1].float(), -1)
+            trainer.append(lp.gather(-1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0].cpu())
+        gaps[(residual, graphs)] = (logps[(residual, graphs)] - torch.cat(trainer)).abs().mean().item()
+        del engine
+    RESULTS.append(("engine logp gap to trainer: bf16 residual, float32", gaps[(None, True)],
+                    gaps[(torch.float32, True)]))
+    assert torch.allclose(logps[(torch.float32, True)], logps[(torch.float32, False)], atol=2e-2)
+    assert gaps[(torch.float32, True)] < gaps[(None, True)], gaps
+
+
 def test_engine_decode_step_paged_equals_gather():
     """One decode step of the rollout engine (bf16, sequences of 300-900 tokens over several KV blocks, forks
     sharing blocks): logits with the attention read in place (the engine's path, in its CUDA graph and eager)
