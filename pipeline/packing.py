@@ -10,6 +10,7 @@ longer than that is a packed row of its own), whose ``cu_seqlens`` reset the SSE
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +82,23 @@ def unpack_per_token(values: list[torch.Tensor], packed: list[PackedRow], rows: 
     index, picked = torch.cat(index), torch.cat(picked)
     out = picked.new_zeros(rows * completion_length).index_copy(0, index, picked)
     return out.view(rows, completion_length)
+
+
+def packed_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int,
+                 max_tokens: int, autocast=contextlib.nullcontext, entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the completions, ``[rows, completion_length]``, from forwards over
+    packed rows of at most ``max_tokens`` tokens (the fused LM head scores the labels without materialising the
+    logits); ``autocast``: a context factory around each forward (the trainer's)."""
+    packed = pack_rows(input_ids, attention_mask, completion_length, max_tokens)
+    logps, entropies = [], []
+    for row in packed:
+        with autocast():
+            out = model(input_ids=row.input_ids, position_ids=row.position_ids, cu_seqlens=row.cu_seqlens,
+                        labels=row.labels, fused_lm_head=True)
+        logps.append(out.log_probs)
+        if entropy:
+            entropies.append(out.entropy)
+    rows = input_ids.shape[0]
+    return (unpack_per_token(logps, packed, rows, completion_length),
+            unpack_per_token(entropies, packed, rows, completion_length) if entropy else None)

@@ -40,7 +40,7 @@ from ..data import prompt_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, Timer, plot_curves
 from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
-from ..packing import pack_rows, unpack_per_token
+from ..packing import packed_logps
 from ..recipe import Recipe
 from ..rollout import SamplingParams
 from ..rollout.backend import group_consecutive
@@ -265,17 +265,8 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         rows, width = input_ids.shape
         budget = self.args.max_tokens_per_microbatch or (batch_size or rows) * width
-        packed = pack_rows(input_ids, attention_mask, logits_to_keep, budget)
-        logps, entropies = [], []
-        for row in packed:
-            with self.accelerator.autocast():
-                out = model(input_ids=row.input_ids, position_ids=row.position_ids, cu_seqlens=row.cu_seqlens,
-                            labels=row.labels, fused_lm_head=True)
-            logps.append(out.log_probs)
-            if compute_entropy:
-                entropies.append(out.entropy)
-        logps = unpack_per_token(logps, packed, rows, logits_to_keep)
-        entropies = unpack_per_token(entropies, packed, rows, logits_to_keep) if compute_entropy else None
+        logps, entropies = packed_logps(model, input_ids, attention_mask, logits_to_keep, budget,
+                                        self.accelerator.autocast, compute_entropy)
         return logps, entropies, None
 
     def _informative(self, batch: dict) -> torch.Tensor:
