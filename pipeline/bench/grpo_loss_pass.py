@@ -97,7 +97,8 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"\nGRPO trainer passes, prompts of {args.prompt} tokens, micro-batches of {args.micro_batch} rows ({where})\n")
+    print(f"\nGRPO trainer passes, prompts of {args.prompt} tokens, micro-batches of {args.micro_batch} rows "
+          f"({where})\n")
     print("| model | completions x length | tokens | log-prob pass s | loss pass s | loss pass tokens/s | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, completions, length, r in rows:
