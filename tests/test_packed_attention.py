@@ -68,3 +68,32 @@ def test_a_packed_model_forward_builds_no_row_sized_mask(monkeypatch):
     assert masks == [None, None], masks
     for s in (slice(0, 12), slice(12, 24)):
         assert_close(packed[:, s], model(ids[:, s]).logits, torch.float64, f"sequence {s}")
+
+
+def test_a_packed_forward_hands_every_flash_launch_the_same_bounds(monkeypatch):
+    """Where the flash varlen kernel serves (stood in for here by the dense reference, on CPU), the attention layers
+    of one forward share one copy of the row's bounds: building them per layer copied host to device, and waited
+    for the GPU, once per layer. The varlen layout (tokens x heads) gives the per-sequence path's logits."""
+    from sse_model.ops import attention
+
+    torch.manual_seed(0)
+    config = SSEConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_heads=2, head_dim=8,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                       mixer_types=["attn", "sse", "attn"])
+    model = SSEForCausalLM(config).double()
+    ids = torch.randint(1, 64, (1, 24))
+    position_ids = torch.cat([torch.arange(7), torch.arange(17)])[None]
+    plain = model(ids, position_ids=position_ids).logits
+    seen = []
+
+    def launch(q, k, v, cu, max_len, window):  # [T, H, D] in and out, as the kernel
+        seen.append(cu)
+        out = dense_reference(*(x.transpose(0, 1)[None] for x in (q, k, v)), cu.long(), window)
+        assert max_len == int((cu[1:] - cu[:-1]).max())
+        return out[0].transpose(0, 1)
+
+    monkeypatch.setattr(attention, "flash_varlen_serves", lambda q: True)
+    monkeypatch.setattr(attention._FlashVarlen, "apply", launch)
+    varlen = model(ids, position_ids=position_ids).logits
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].tolist() == [0, 7, 24]
+    assert_close(varlen, plain, torch.float64, "varlen layout")

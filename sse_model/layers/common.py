@@ -8,7 +8,7 @@ from functools import cached_property
 import torch
 
 from ..cache import SlotCache, SSEHybridCache
-from ..ops.attention import segments_of
+from ..ops.attention import Segments, segments_of
 
 
 @dataclass
@@ -32,9 +32,9 @@ class ForwardContext:
         return self.cache is not None
 
     @cached_property
-    def segments(self) -> list[tuple[int, int]] | None:
-        """The packed sequences as host ``(start, end)`` pairs, read once per forward (softmax layers attend
-        sequence by sequence)."""
+    def segments(self) -> Segments | None:
+        """The packed sequences as host ``(start, end)`` pairs (and their device bounds), read once per forward for
+        every softmax layer."""
         return None if self.cu_seqlens is None else segments_of(self.cu_seqlens)
 
 

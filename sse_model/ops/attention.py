@@ -16,10 +16,25 @@ import torch
 import torch.nn.functional as F
 
 
-def segments_of(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    """``[(start, end), ...]`` of the non-empty sequences of a packed row (one host sync)."""
+class Segments(list):
+    """``[(start, end), ...]`` of the non-empty sequences of a packed row, in order. :meth:`bounds` builds their
+    int32 bounds on the device once for all the attention layers of a forward that read them (a host-to-device copy
+    per layer would wait for the GPU each time)."""
+
+    _bounds: tuple[torch.Tensor, int] | None = None
+
+    def bounds(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """``(cu_seqlens int32 on device, longest length)``: the flash varlen kernel's view of the row."""
+        if self._bounds is None or self._bounds[0].device != device:
+            cu = torch.tensor([0] + [e for _, e in self], dtype=torch.int32).to(device)
+            self._bounds = cu, max(e - s for s, e in self)
+        return self._bounds
+
+
+def segments_of(cu_seqlens: torch.Tensor) -> Segments:
+    """The non-empty sequences of a packed row (one host sync)."""
     bounds = cu_seqlens.tolist()
-    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return Segments((s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s)
 
 
 # SDPA's backends for the sequences of a packed row when the flash varlen kernel cannot serve it (CPU, float32, odd
@@ -75,7 +90,7 @@ def packed_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segments: list[tuple[int, int]],
+    segments: Segments | list[tuple[int, int]],
     window: int | None = None,
 ) -> torch.Tensor:
     """``q [1, Hq, T, D]``, ``k, v [1, Hkv, T, D]`` (GQA when ``Hkv < Hq``) -> ``[1, Hq, T, D]``: each query
@@ -86,9 +101,7 @@ def packed_causal_attention(
     if covered != q.shape[2]:
         raise ValueError(f"the segments cover {covered} of the row's {q.shape[2]} tokens")
     if flash_varlen_serves(q):
-        bounds = [0] + [e for _, e in segments]
-        cu = torch.tensor(bounds, dtype=torch.int32).to(q.device, non_blocking=True)
-        max_len = max(e - s for s, e in segments)
+        cu, max_len = (segments if isinstance(segments, Segments) else Segments(segments)).bounds(q.device)
         out = _FlashVarlen.apply(*(x[0].transpose(0, 1) for x in (q, k, v)), cu, max_len, window)
         return out.transpose(0, 1)[None]
     gqa = k.shape[1] != q.shape[1]
