@@ -88,8 +88,12 @@ def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
     (the assistant's solution), so the loss covers the completion whatever the tokenizer's chat template (TRL's
     assistant-only loss needs ``{% generation %}`` markers that real templates lack). Records that hold
     ``messages`` are split before their last message, which must be the assistant's. ``spec.mix`` adds rows."""
-    rows = _sft_rows(spec, instruction) + [row for m in spec.mix for row in sft_dataset(m, instruction).to_list()]
-    return Dataset.from_list(rows)
+    return Dataset.from_list(_mixed(spec, _sft_rows, instruction))
+
+
+def _mixed(spec: DataSpec, rows_of, instruction: str) -> list[dict]:
+    """``rows_of(spec)`` followed by the rows of every dataset ``spec.mix`` names (each read with its own spec)."""
+    return rows_of(spec, instruction) + [row for m in spec.mix for row in _mixed(m, rows_of, instruction)]
 
 
 def _sft_rows(spec: DataSpec, instruction: str) -> list[dict]:
@@ -143,9 +147,13 @@ def drop_overlong(dataset: Dataset, tokenizer, max_length: int) -> tuple[Dataset
 
 def prompt_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
     """A GRPO dataset: conversational ``prompt`` and the ground-truth ``answer`` (``spec.mix`` adds rows)."""
+    return Dataset.from_list(_mixed(spec, _prompt_rows, instruction))
+
+
+def _prompt_rows(spec: DataSpec, instruction: str) -> list[dict]:
     records = _subsample(_load_records(spec), spec)
     rows = [{"prompt": [user_message(str(_field(r, spec, "problem", i)), instruction)],
              "answer": str(_field(r, spec, "answer", i))} for i, r in enumerate(records)]
     if not rows:
         raise ValueError(f"data source {spec.source!r} is empty")
-    return Dataset.from_list(rows + [row for m in spec.mix for row in prompt_dataset(m, instruction).to_list()])
+    return rows

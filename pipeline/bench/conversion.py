@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def main(argv=None) -> Path:
         done = json.loads((out / "main" / stage / "final" / "stage_done.json").read_text())
         tokens = done.get("tokens") or _last(metrics, "num_tokens")
         loss = _last(metrics, "loss")
-        loss = done.get("train_loss", loss) if loss != loss else loss  # nothing logged: the run's mean loss
+        loss = done.get("train_loss", loss) if math.isnan(loss) else loss  # nothing logged: the run's mean loss
         lines.append(f"| {stage} | {seconds:.0f} | {tokens:,.0f} | {loss:.4f} |")
     lines.append("")
     import torch
