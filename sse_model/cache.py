@@ -18,6 +18,11 @@ Protocol (``cache`` below is either):
                                         append k/v and return the attention output read in place, or None where
                                         RoPE, ``attend`` and SDPA serve
     ``cache.advance(T)``                after the forward: T more tokens seen
+
+A :class:`SlotCache` also takes a packed prefill (:meth:`SlotCache.packs_prefill`): one row of several prompts
+(``cu_seqlens``), each the start of an empty slot, so that one forward prefills many short prompts (a forward of a
+small model is bound by its launches, not its tokens). Linear layers then read and write one state per prompt;
+softmax layers attend within each prompt and store its keys with :meth:`SlotCache.store_packed`.
 """
 
 from __future__ import annotations
@@ -230,6 +235,7 @@ class SlotCache:
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
         self.view_blocks = self.max_blocks_per_slot
+        self._packed: tuple | None = None  # a packed prefill's cu_seqlens and each token's block and offset
         # decode steps of full layers read the blocks in place (kernels.paged_attention); off: gather + SDPA
         self.paged_decode = torch.device(device).type == "cuda" if paged_decode is None else paged_decode
 
@@ -420,5 +426,26 @@ class SlotCache:
         self.values[layer_idx][block, :, new_index % bs] = new_v
         return table
 
-    def advance(self, T: int) -> None:
+    @property
+    def packs_prefill(self) -> bool:
+        """Whether a forward may prefill several empty slots from one packed row: not with short-convolution
+        caches or window layers, whose packed forms keep no per-sequence cache."""
+        return not self.conv and all(w is None for w in self.windows.values())
+
+    def store_packed(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+        """A packed prefill's ``keys, values [1, H_kv, T, D]``: sequence ``i`` of ``cu_seqlens`` goes to slot
+        ``slots[i]`` at positions ``0 .. len_i - 1`` (the slots start empty, their blocks taken by :meth:`grow`)."""
+        if self._packed is None or self._packed[0] is not cu_seqlens:  # once per forward, for every layer
+            T = keys.shape[2]
+            token = torch.arange(T, device=keys.device)
+            seq = torch.searchsorted(cu_seqlens.long()[1:], token, right=True)
+            position = token - cu_seqlens.long()[seq]
+            block = self.tables[self.slots[seq], position // self.block_size]
+            self._packed = cu_seqlens, block, position % self.block_size
+        _, block, offset = self._packed
+        self.keys[layer_idx][block, :, offset] = keys[0].transpose(0, 1).to(self.keys[layer_idx].dtype)
+        self.values[layer_idx][block, :, offset] = values[0].transpose(0, 1).to(self.values[layer_idx].dtype)
+
+    def advance(self, T: int | torch.Tensor) -> None:
+        """``T`` more tokens in every current row, or ``T[i]`` in row ``i`` (a packed prefill)."""
         self.lengths[self.slots] += T

@@ -155,11 +155,14 @@ class SSEModel(SSEPreTrainedModel):
             cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        packed_prefill = False  # several prompts in one packed row, each into an empty slot of an engine's cache
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, B, T)
-            if use_cache or past_key_values is not None:
-                raise ValueError("packed sequences (cu_seqlens) cannot be cached; pass use_cache=False")
-            use_cache = False
+            packed_prefill = isinstance(past_key_values, SlotCache) and past_key_values.packs_prefill
+            if not packed_prefill and (use_cache or past_key_values is not None):
+                raise ValueError("packed sequences (cu_seqlens) are cached only by an engine's SlotCache (a "
+                                 "prefill of empty slots); pass use_cache=False")
+            use_cache = packed_prefill
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if past_key_values is not None and not isinstance(past_key_values, (SSEHybridCache, SlotCache)):
             raise TypeError(
@@ -184,7 +187,7 @@ class SSEModel(SSEPreTrainedModel):
             else:
                 token_mask = key_mask[:, -T:]
 
-        query_index = cache.query_index(T, hidden.device) if cache is not None else \
+        query_index = cache.query_index(T, hidden.device) if cache is not None and not packed_prefill else \
             torch.arange(T, device=hidden.device)[None]
         if position_ids is None:
             if key_mask is not None:
@@ -211,7 +214,7 @@ class SSEModel(SSEPreTrainedModel):
         if output_hidden_states:
             all_hidden += (hidden,)
         if cache is not None:
-            cache.advance(T)
+            cache.advance(cu_seqlens.diff() if packed_prefill else T)
         out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache, hidden_states=all_hidden)
         out.aux_loss = torch.stack(aux_losses).sum() if aux_losses else None
         return out

@@ -110,6 +110,43 @@ def test_forked_samples_equal_independent_prefills(model, tokenizer):
     assert len({tuple(o.token_ids) for o in forked.outputs}) > 1, "different seeds should give different samples"
 
 
+def test_packed_prefill_equals_each_prompt_prefilled_alone(tokenizer):
+    """New requests whose prompts fit the prefill budget together are prefilled in one packed forward (a small
+    model's forward costs its launches, not its tokens); every sample is what its prompt gives alone in an engine of
+    its own: tokens equal, log-probabilities to float32 rounding. Odd head counts, GQA, a GLA layer, forks, a
+    prompt longer than the budget (prefilled alone, in chunks) between packable ones."""
+    torch.manual_seed(1)
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, mixer_types=["sse", "gla", "attn", "sse", "sse", "attn"],
+                                   num_heads=3, num_attention_heads=3, num_key_value_heads=1, attention_head_dim=16)
+    packable = SSEForCausalLM(config).eval()
+    prompts = ["What is 2+3?", "x", "Compute the sum of the first ten primes, please, and then double it.",
+               "Solve 7*8", "Name a prime above 50."]
+    params = [SamplingParams(n=1 + i % 3, temperature=1.0, max_tokens=10 + i, seed=7 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    engine = make_engine(packable, tokenizer, max_slots=12, prefill_chunk_size=80)
+    assert engine.cache.packs_prefill
+    outs = engine.generate(prompts, params)
+    assert engine.stats.prefill_forwards < len(prompts), "the short prompts should share forwards"
+    for prompt, p, out in zip(prompts, params, outs):
+        alone = make_engine(packable, tokenizer, max_slots=12, prefill_chunk_size=80).generate(prompt, p)[0]
+        for got, want in zip(out.outputs, alone.outputs, strict=True):
+            assert got.token_ids == want.token_ids, prompt
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_caches_that_keep_no_per_sequence_state_in_packed_form_refuse_packing(model, tokenizer):
+    """Short convolutions and window layers: their packed forms keep no cache per sequence, so the engine
+    prefills prompt by prompt (the module's model has both)."""
+    engine = make_engine(model, tokenizer, prefill_chunk_size=256)
+    assert not engine.cache.packs_prefill
+    engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert engine.stats.prefill_forwards == len(PROMPTS)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="cached only by an engine's SlotCache"):
+        model(ids, cu_seqlens=torch.tensor([0, 2, 4]), past_key_values=engine.cache, use_cache=True)
+
+
 def test_slot_reuse_under_mixed_lengths_loses_and_mixes_nothing(model, tokenizer):
     prompts = [f"Question {i}: {'abc' * (i % 5)} what is {i}+{i}?" for i in range(9)]
     params = [SamplingParams(temperature=0, max_tokens=3 + 4 * (i % 4), ignore_eos=True) for i in range(9)]
@@ -341,6 +378,30 @@ def test_ray_fleet_matches_local_engine(model, tokenizer):
         ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False)["input_ids"]
         ref = other.eval().generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
         assert fleet.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == ref.tolist()
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def test_object_store_sync_sends_weights_in_the_engines_dtype(model, tokenizer):
+    """A bf16 engine is sent float32 master weights already cast (half the bytes through the object store), and
+    ends up with exactly the weights it would have cast itself."""
+    ray = pytest.importorskip("ray")
+    from pipeline.rollout.actor import EngineFleet
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(model, tokenizer, num_engines=1, max_slots=4, max_model_len=96, dtype=torch.bfloat16)
+        torch.manual_seed(8)
+        other = SSEForCausalLM(model.config)
+        fleet.update_weights(other.state_dict())
+        sent = ray.get(fleet._weights)
+        assert {v.dtype for v in sent.values()} == {torch.bfloat16}
+        local = make_engine(copy.deepcopy(model), tokenizer, dtype=torch.bfloat16)
+        local.update_weights(other.state_dict())
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in fleet.generate(PROMPTS, greedy)] == \
+            [o.outputs[0].token_ids for o in local.generate(PROMPTS, greedy)]
         fleet.shutdown()
     finally:
         ray.shutdown()

@@ -52,6 +52,11 @@ class RolloutWorker:
         self.engine.update_weights(receive(self.sync_group, layout, device), version)
         return self.engine.weights_version
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each of the engine's weights (none known for an engine without a module of ours)."""
+        model = getattr(self.engine, "model", None)
+        return {k: v.dtype for k, v in model.state_dict().items()} if isinstance(model, torch.nn.Module) else {}
+
     def get_stats(self) -> dict:
         return {**self.engine.get_stats(), "node": ray.get_runtime_context().get_node_id(), "source": self.source}
 
@@ -59,9 +64,12 @@ class RolloutWorker:
         return self.engine.capacity(seq_len)
 
 
-def _put(state_dict) -> ray.ObjectRef:
-    """The weights in Ray's object store, once for every engine."""
-    return ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
+def _put(state_dict, dtypes: dict | None = None) -> ray.ObjectRef:
+    """The weights in Ray's object store, once for every engine; each cast (on its device) to ``dtypes[name]``,
+    the dtype the engines keep it in: a bf16 engine's copy of float32 master weights is half the bytes to bring to
+    the host, store and load, and the same values the engine's own cast would give."""
+    dtypes = dtypes or {}
+    return ray.put({k: v.detach().to(dtypes.get(k, v.dtype)).cpu() for k, v in state_dict.items()})
 
 
 class EngineFleet:
@@ -95,6 +103,7 @@ class EngineFleet:
         # the latest synced weights, for a replacement: an object ref, or (broadcast) the trainer's state dict,
         # whose tensors do not change while the fleet generates (the trainer waits for the rollout)
         self._weights, self._source, self._version = None, None, 0
+        self._dtypes: dict | None = None  # the engines' weight dtypes, asked once (object-store sync)
         self.workers = [self._start(i) for i in range(num_engines)]
 
     def _start(self, i: int):
@@ -138,7 +147,7 @@ class EngineFleet:
         self.workers[i] = self._start(i)
         self._group = None  # the broadcast group lost a member: formed anew at the next sync
         if self._weights is None and self._source is not None:
-            self._weights = _put(self._source)
+            self._weights = _put(self._source, self._dtypes)
         if self._weights is not None:
             ray.get(self.workers[i].update_weights.remote(self._weights, self._version))
 
@@ -151,7 +160,9 @@ class EngineFleet:
             except (RuntimeError, ray.exceptions.RayError) as error:  # a member died mid-sync
                 logger.warning("weight broadcast failed (%s); this sync goes through the object store", error)
                 self._group = None
-        self._weights = _put(state_dict)
+        if self._dtypes is None:
+            self._dtypes = ray.get(self.workers[0].weight_dtypes.remote())
+        self._weights = _put(state_dict, self._dtypes)
         futures = [w.update_weights.remote(self._weights, self._version) for w in self.workers]
         versions = []
         for i, future in enumerate(futures):

@@ -20,6 +20,7 @@ over the logits (:mod:`kernels.sampling`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -132,6 +133,7 @@ class EngineStats:
     decode_steps: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefill_forwards: int = 0
     occupied_slot_steps: int = 0
     finished_requests: int = 0
     preemptions: int = 0
@@ -145,6 +147,7 @@ class EngineStats:
             "decode_tokens_per_s": self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0,
             "tokens_per_s": self.generated_tokens / busy if busy else 0.0,
             "prefill_tokens_per_s": self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
+            "prefill_forwards": self.prefill_forwards,
             "mean_slot_occupancy": self.occupied_slot_steps / (self.decode_steps * max_slots) if self.decode_steps else 0.0,
             "finished_requests": self.finished_requests,
             "preemptions": self.preemptions,
@@ -397,10 +400,17 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self) -> list[RequestOutput]:
+        """Up to ``prefill_chunk_size`` prompt tokens: new requests whose whole prompts fit go together in one
+        packed forward (:meth:`_prefill_packed`); a long prompt or a preempted sequence goes alone, in chunks."""
         start = time.perf_counter()
         budget = self.prefill_chunk_size
         finished = []
         while self.prefilling and budget > 0:
+            pack = self._packable(budget)
+            if len(pack) > 1:
+                budget -= sum(len(r.prompt_ids) for r in pack)
+                finished += self._prefill_packed(pack)
+                continue
             job = self.prefilling[0]
             resumed = isinstance(job, _Sequence)
             tokens, slot = (job.cached, job.slot) if resumed else (job.prompt_ids, job.slots[0])
@@ -412,29 +422,64 @@ class Engine:
             job.prefilled += len(chunk)
             budget -= len(chunk)
             self.stats.prefill_tokens += len(chunk)
+            self.stats.prefill_forwards += 1
             if job.prefilled < len(tokens):
                 continue
             self.prefilling.popleft()
             if resumed:  # it continues from its last sampled token at the next decode step
                 self.running.append(job)
                 continue
-            request = job
+            finished += self._start([job], logits[:, -1])
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return finished
+
+    def _packable(self, budget: int) -> list[_Request]:
+        """The new requests at the head of the prefill queue whose whole prompts fit in ``budget`` tokens
+        together, when the cache takes packed prefills."""
+        if not self.cache.packs_prefill:
+            return []
+        pack = []
+        for job in self.prefilling:
+            if isinstance(job, _Sequence) or job.prefilled or len(job.prompt_ids) > budget:
+                break
+            pack.append(job)
+            budget -= len(job.prompt_ids)
+        return pack
+
+    def _prefill_packed(self, pack: list[_Request]) -> list[RequestOutput]:
+        """One forward over the prompts of ``pack`` packed in one row, each into its request's first slot."""
+        lengths = [len(r.prompt_ids) for r in pack]
+        ids = torch.tensor([[t for r in pack for t in r.prompt_ids]], device=self.device)
+        cu_seqlens = torch.tensor(list(itertools.accumulate(lengths, initial=0)), device=self.device)
+        self.cache.slots = torch.tensor([r.slots[0] for r in pack], device=self.device)
+        last = cu_seqlens[1:] - 1
+        logits = self.model(input_ids=ids, cu_seqlens=cu_seqlens, past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=last).logits[0]
+        for _ in pack:
+            self.prefilling.popleft()
+        self.stats.prefill_tokens += sum(lengths)
+        self.stats.prefill_forwards += 1
+        return self._start(pack, logits)
+
+    def _start(self, requests: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
+        """Requests whose prompts are prefilled: each forks its first slot into its others and draws its samples'
+        first tokens from its row of ``logits [len(requests), vocab]``, in one sampler call."""
+        seqs = []
+        for request in requests:
             self.promised_blocks -= request.promised
             if len(request.slots) > 1:
                 self.cache.fork(request.slots[0], torch.tensor(request.slots[1:], device=self.device))
             base = request.params.seed if request.params.seed is not None else self._rng.getrandbits(62)
             request.seqs = [_Sequence(request, i, slot, base + i, stamp=request.stamp)
                             for i, slot in enumerate(request.slots)]
-            _, _, sampling = self._step_inputs(request.seqs, [0] * len(request.slots), request.slots)
-            tokens, logprobs = sample(logits[:, -1].expand(len(request.seqs), -1), **sampling)
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()
-            for seq, token, logprob in zip(request.seqs, tokens, logprobs):
-                self._append(seq, token, logprob)
-            done = self._collect(request.seqs)
-            self.running += [s for s in request.seqs if s.finish_reason is None]
-            finished += done
-        self.stats.prefill_seconds += time.perf_counter() - start
-        return finished
+            seqs += request.seqs
+        _, _, sampling = self._step_inputs(seqs, [0] * len(seqs), [s.slot for s in seqs])
+        rows = torch.tensor([i for i, r in enumerate(requests) for _ in r.slots], device=self.device)
+        tokens, logprobs = sample(logits[rows], **sampling)
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            self._append(seq, token, logprob)
+        self.running += [s for s in seqs if s.finish_reason is None]
+        return self._collect(seqs)
 
     def _grow_running(self) -> None:
         """Every running sequence gets the blocks its next token needs; while they are short, the newest sequence

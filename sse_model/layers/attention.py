@@ -59,7 +59,9 @@ class SoftmaxAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``q [B, H, T, D]``, the new ``k, v [B, H_kv, T, D]`` -> ``[B, H, T, D]`` through SDPA."""
-        if ctx.cache is None and ctx.cu_seqlens is not None and ctx.key_mask is None:
+        if ctx.cu_seqlens is not None and ctx.key_mask is None:
+            if ctx.cache is not None:  # a packed prefill of empty slots: each prompt sees only itself
+                ctx.cache.store_packed(self.layer_idx, k, v, ctx.cu_seqlens)
             return packed_causal_attention(q, k, v, ctx.segments, self.window)
         if ctx.cache is not None:
             k, v, key_index, key_valid = ctx.cache.attend(self.layer_idx, k, v)
