@@ -158,6 +158,8 @@ class EngineConfig:
     dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
     residual_dtype: str | None = bounded(None, choices=DTYPES)  # float32: skip connections as in training (ours only)
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
+    # while sequences run, admit waiting requests once this fraction of the slots is free, to prefill them together
+    refill_fraction: float = bounded(0.25, ge=0, le=1)
 
 
 @dataclass

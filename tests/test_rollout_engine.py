@@ -135,6 +135,27 @@ def test_packed_prefill_equals_each_prompt_prefilled_alone(tokenizer):
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_deferred_admission_packs_prefills_and_changes_no_output(tokenizer, overlap):
+    """While sequences run, waiting requests wait for ``refill_fraction`` of the slots to be free and are then
+    prefilled together: fewer prefill forwards, the same samples (each sequence's randomness is its own)."""
+    torch.manual_seed(2)
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+    packable = SSEForCausalLM(config).eval()
+    prompts = [f"Question {i}: {'ab' * (i % 4)} what is {i}+{i}?" for i in range(14)]
+    params = [SamplingParams(temperature=1.0, max_tokens=2 + 3 * (i % 5), seed=i, ignore_eos=True) for i in range(14)]
+    runs = {}
+    for fraction in (0.0, 0.5):
+        engine = make_engine(packable, tokenizer, max_slots=6, prefill_chunk_size=512, refill_fraction=fraction,
+                             overlap=overlap)
+        outs = engine.generate(prompts, params)
+        runs[fraction] = ([o.outputs[0].token_ids for o in outs], engine.stats.prefill_forwards)
+        assert not engine.has_unfinished() and len(engine.free_slots) == 6
+    assert runs[0.5][0] == runs[0.0][0]
+    assert runs[0.5][1] < runs[0.0][1], runs
+
+
 def test_caches_that_keep_no_per_sequence_state_in_packed_form_refuse_packing(model, tokenizer):
     """Short convolutions and window layers: their packed forms keep no cache per sequence, so the engine
     prefills prompt by prompt (the module's model has both)."""

@@ -174,7 +174,10 @@ class Engine:
     ``num_blocks`` overrides what the budget holds. ``prefill_chunk_size`` is the number of prompt tokens
     prefilled per engine step. ``overlap`` (default: on CUDA) queues each decode step before the host has read
     the previous one's tokens (see ``_decode``); outputs are the same either way. ``residual_dtype`` (float32)
-    keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`)."""
+    keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`).
+    ``refill_fraction``: while sequences run, waiting requests are admitted once that fraction of the slots is free
+    (or all that waits fits), so that their prompts are prefilled together: a prefill forward of a small model
+    costs ~100 ms of host time whatever its tokens (SmolLM2-135M on an H100), some thirty decode steps."""
 
     def __init__(
         self,
@@ -192,6 +195,7 @@ class Engine:
         use_cuda_graphs: bool | None = None,
         overlap: bool | None = None,
         residual_dtype: torch.dtype | None = None,
+        refill_fraction: float = 0.25,
         seed: int = 0,
     ):
         if isinstance(model, (str, Path)):
@@ -217,6 +221,9 @@ class Engine:
         self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype)
         self.memory_budget = memory_budget if memory_budget is not None else default_memory_budget(device)
         self.max_slots, self.num_blocks = self._plan_memory(max_slots, num_blocks)
+        if not 0 <= refill_fraction <= 1:
+            raise ValueError(f"refill_fraction must be in [0, 1], got {refill_fraction}")
+        self.refill_fraction = refill_fraction
         self.scratch_slot = self.max_slots  # padding rows of graph buckets write here
         self.cache = self._new_cache()
         self.free_slots: deque[int] = deque(range(self.max_slots))
@@ -237,6 +244,7 @@ class Engine:
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.overlap = device.type == "cuda" if overlap is None else overlap
         self._launched: _Launched | None = None  # the next decode step, queued before the host read this one
+        self._joined = False  # sequences joined the running ones since the last step launched over all of them
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._graph_pool = None  # one memory pool for every captured graph: the largest bucket's, not their sum
 
@@ -330,8 +338,8 @@ class Engine:
             self.cache = self._new_cache()
 
     def step(self) -> list[RequestOutput]:
-        """One decode step for running sequences, then admission and up to ``prefill_chunk_size`` prompt
-        tokens of prefill. Returns the requests that finished."""
+        """One decode step for running sequences, then admission and one prefill forward (up to
+        ``prefill_chunk_size`` prompt tokens). Returns the requests that finished."""
         self.wake_up()
         finished: list[RequestOutput] = []
         if self.running:
@@ -357,6 +365,8 @@ class Engine:
             seq.slot, seq.prefilled, seq.stamp = self.free_slots.popleft(), 0, self._stamp()
             self.cache.grow([seq.slot], [seq.cached_length])
             self.prefilling.append(seq)
+        if self.running and not self._refill_due():
+            return
         while not self.resuming and self.waiting and len(self.free_slots) >= self.waiting[0].params.n:
             request = self.waiting[0]
             prompt_len, n = len(request.prompt_ids), request.params.n
@@ -371,6 +381,20 @@ class Engine:
             request.promised = need - self._blocks_for(prompt_len)
             self.promised_blocks += request.promised
             self.prefilling.append(request)
+
+    def _refill_due(self) -> bool:
+        """Whether waiting requests are admitted now: nothing runs, or ``refill_fraction`` of the slots (or as many
+        as all waiting requests need) are free."""
+        if not self.waiting:
+            return False
+        if not self.running:
+            return True
+        want, waiting = max(1, int(self.refill_fraction * self.max_slots)), 0
+        for request in self.waiting:
+            waiting += request.params.n
+            if waiting >= want:
+                break
+        return len(self.free_slots) >= min(want, waiting)
 
     def _stamp(self) -> int:
         self._admissions += 1
@@ -400,38 +424,35 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self) -> list[RequestOutput]:
-        """Up to ``prefill_chunk_size`` prompt tokens: new requests whose whole prompts fit go together in one
-        packed forward (:meth:`_prefill_packed`); a long prompt or a preempted sequence goes alone, in chunks."""
+        """One prefill forward: the new requests at the head of the queue whose whole prompts fit
+        ``prefill_chunk_size`` tokens together, packed in one row (:meth:`_prefill_packed`), or else the next chunk
+        of the first job (a long prompt, a preempted sequence). Returns the requests that finished."""
         start = time.perf_counter()
-        budget = self.prefill_chunk_size
-        finished = []
-        while self.prefilling and budget > 0:
-            pack = self._packable(budget)
-            if len(pack) > 1:
-                budget -= sum(len(r.prompt_ids) for r in pack)
-                finished += self._prefill_packed(pack)
-                continue
-            job = self.prefilling[0]
-            resumed = isinstance(job, _Sequence)
-            tokens, slot = (job.cached, job.slot) if resumed else (job.prompt_ids, job.slots[0])
-            chunk = tokens[job.prefilled:job.prefilled + budget]
-            self.cache.slots = torch.tensor([slot], device=self.device)
-            self.cache.view_blocks = self._blocks_for(job.prefilled + len(chunk))
-            ids = torch.tensor([chunk], device=self.device)
-            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-            job.prefilled += len(chunk)
-            budget -= len(chunk)
-            self.stats.prefill_tokens += len(chunk)
-            self.stats.prefill_forwards += 1
-            if job.prefilled < len(tokens):
-                continue
-            self.prefilling.popleft()
-            if resumed:  # it continues from its last sampled token at the next decode step
-                self.running.append(job)
-                continue
-            finished += self._start([job], logits[:, -1])
+        pack = self._packable(self.prefill_chunk_size)
+        finished = self._prefill_packed(pack) if len(pack) > 1 else self._prefill_chunk()
+        self.stats.prefill_forwards += 1
         self.stats.prefill_seconds += time.perf_counter() - start
         return finished
+
+    def _prefill_chunk(self) -> list[RequestOutput]:
+        job = self.prefilling[0]
+        resumed = isinstance(job, _Sequence)
+        tokens, slot = (job.cached, job.slot) if resumed else (job.prompt_ids, job.slots[0])
+        chunk = tokens[job.prefilled:job.prefilled + self.prefill_chunk_size]
+        self.cache.slots = torch.tensor([slot], device=self.device)
+        self.cache.view_blocks = self._blocks_for(job.prefilled + len(chunk))
+        ids = torch.tensor([chunk], device=self.device)
+        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        job.prefilled += len(chunk)
+        self.stats.prefill_tokens += len(chunk)
+        if job.prefilled < len(tokens):
+            return []
+        self.prefilling.popleft()
+        if resumed:  # it continues from its last sampled token at the next decode step
+            self.running.append(job)
+            self._joined = True
+            return []
+        return self._start([job], logits[:, -1])
 
     def _packable(self, budget: int) -> list[_Request]:
         """The new requests at the head of the prefill queue whose whole prompts fit in ``budget`` tokens
@@ -458,7 +479,6 @@ class Engine:
         for _ in pack:
             self.prefilling.popleft()
         self.stats.prefill_tokens += sum(lengths)
-        self.stats.prefill_forwards += 1
         return self._start(pack, logits)
 
     def _start(self, requests: list[_Request], logits: torch.Tensor) -> list[RequestOutput]:
@@ -479,6 +499,7 @@ class Engine:
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
             self._append(seq, token, logprob)
         self.running += [s for s in seqs if s.finish_reason is None]
+        self._joined = True
         return self._collect(seqs)
 
     def _grow_running(self) -> None:
@@ -500,16 +521,16 @@ class Engine:
 
     @torch.no_grad()
     def _decode(self) -> list[RequestOutput]:
-        """One decode step of the running sequences. With ``overlap``, while nothing waits to be admitted or
-        prefilled, the next step is queued from this step's tokens still on the GPU before the host reads them:
-        the host's bookkeeping (stop checks, the next inputs) then runs while the GPU computes, not between
-        steps. A row whose sequence turns out to have stopped (a stop token) is computed once more and dropped."""
+        """One decode step of the running sequences. With ``overlap``, while no sequence is about to join them
+        (nothing to prefill, no admission due, none joined since the last step), the next step is queued from this
+        step's tokens still on the GPU before the host reads them: the host's bookkeeping (stop checks, the next
+        inputs) then runs while the GPU computes, not between steps. A row whose sequence turns out to have stopped (a stop token) is computed once more and dropped."""
         start = time.perf_counter()
         step = self._launched or self._launch()
         self._launched = None
         if step is None:
             return []
-        if self.overlap and not (self.waiting or self.resuming or self.prefilling):
+        if self.overlap and not (self._joined or self.resuming or self.prefilling or self._refill_due()):
             self._launched = self._launch_after(step)
         done = self._land(step)
         if self._launched is not None and all(s.finish_reason is not None for s in self._launched.seqs):
@@ -521,6 +542,7 @@ class Engine:
         """Queues a decode step of every running sequence from its last token (preempting where blocks lack)."""
         self._grow_running()
         seqs = list(self.running)
+        self._joined = False
         if not seqs:
             return None
         ids, slots, sampling = self._step_inputs(seqs, [s.token_ids[-1] for s in seqs], [s.slot for s in seqs])
