@@ -64,6 +64,8 @@ def read_run(label: str, folder: Path) -> Run:
             low, high = m[f"avg@{n}_ci95"]
             benches[name] = (m[f"avg@{n}"], low, high, n)
         run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder), benches))
+    order = [stage for _, stage in reversed(STAGE_OF_PATH)]  # the pipeline's order; other evaluations last
+    run.evaluations.sort(key=lambda e: order.index(e.stage) if e.stage in order else len(order))
     if not run.evaluations:
         raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
     rows = read_metrics(folder / "grpo" / "metrics.jsonl")

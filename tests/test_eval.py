@@ -234,6 +234,11 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
         return summary["benchmarks"]["gsm8k"]
 
     sse = finished_run(tmp_path / "sse", 0.3, f"{tmp_path}/sse/grpo/final [abc]", 0.2)
+    for stage, model in (("initial", "initial"), ("distill", "distill/final")):  # by path: distill, initial, GRPO
+        summary = {"benchmarks": {"gsm8k": summarize([{"correct": [False] * 4, "clusters": [0, 1, 2, 3],
+                                                       "lengths": [10] * 4, "truncated": [False] * 4}] * 30)},
+                   "model": f"{tmp_path}/sse/{model} [0]"}
+        write_reports(summary, tmp_path / "sse" / "eval" / stage)
     finished_run(tmp_path / "tf", 0.6, f"{tmp_path}/tf/distill/final [def]", 0.5)
     out = tmp_path / "cmp"
     assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), "--out", str(out)]) == 0
@@ -241,6 +246,8 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     low, high = sse["avg@4_ci95"]
     assert f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4 |" in text
     assert "| tf, after distillation |" in text
+    rows = [text.index(f"| SSE-H, {stage} |") for stage in ("before training", "after distillation", "after GRPO")]
+    assert rows == sorted(rows), "the pipeline's order"
     assert "| SSE-H | 10 | 0.215 -> 0.295 (mean of 2) | 900 | 3.00 MiB |" in text
     assert (out / "compare.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
