@@ -597,8 +597,9 @@ class Engine:
         if self.device.type == "cuda":
             ints, floats = ints.pin_memory(), floats.pin_memory()
         ints, floats = ints.to(self.device, non_blocking=True), floats.to(self.device, non_blocking=True)
+        need_top_k = any(x.top_k > 0 for x in p)
         sampling = dict(temperature=floats[0], top_p=floats[1], top_k=ints[2], seeds=ints[3], steps=ints[4],
-                        need_filter=any(x.top_p < 1 or x.top_k > 0 for x in p))
+                        need_filter=need_top_k or any(x.top_p < 1 for x in p), need_top_k=need_top_k)
         return ints[0], ints[1], sampling
 
     def _append(self, seq: _Sequence, token: int, logprob: float) -> None:

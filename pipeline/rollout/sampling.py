@@ -79,6 +79,7 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     need_filter: bool | None = None,
+    need_top_k: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their log-probabilities for a batch ``[B, V]`` of logits.
 
@@ -92,22 +93,30 @@ def sample(
     ``need_filter``: whether any row has top-p < 1 or top-k > 0, when the caller knows it (the engine does,
     from its requests); unknown, it is read from the tensors on the CPU and assumed on a GPU (no host sync).
     Without filtering, a GPU samples in one pass over the logits (:func:`kernels.sampling.race_sample`), the
-    same tokens as below."""
+    same tokens as below; with top-p alone (``need_top_k`` False: no row has top-k, as the caller knows) in one
+    kernel that finds each row's cut without a sort (:func:`kernels.sampling.top_p_sample`). Tokens tied at the
+    top-p cut are all kept, whatever order a sort would put them in."""
     if need_filter is None:
         need_filter = bool(((top_p < 1) | (top_k > 0)).any()) if logits.device.type == "cpu" else True
     if logits.device.type == "cuda" and not need_filter:
         from kernels.sampling import race_sample
 
         return race_sample(logits, temperature, seeds, steps)
+    if logits.device.type == "cuda" and need_top_k is False:
+        from kernels.sampling import top_p_sample
+
+        return top_p_sample(logits, temperature, top_p, seeds, steps)
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     if need_filter:
-        probs = logprobs.exp()
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=probs.device)[None]
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_scaled, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = logprobs.exp().gather(-1, order)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)[None]
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass above each token in the sorted order
+        # tokens tied at the cut are all kept: a token's mass strictly above is the one before the first of its ties
+        before = before.gather(-1, torch.searchsorted(-sorted_scaled, -sorted_scaled))
         keep_sorted = (before < top_p[:, None]) | (rank == 0)
         keep_sorted &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)

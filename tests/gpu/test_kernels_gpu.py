@@ -380,6 +380,29 @@ def test_engine_packed_prefill_equals_prompts_alone(preset):
     assert same >= len(prompts) - 1  # a greedy near-tie may flip in bf16
 
 
+@pytest.mark.parametrize("vocab", [49152, 151936])
+def test_top_p_sample_equals_the_sort_at_real_sizes(vocab):
+    """The top-p kernel (no sort) against the PyTorch sampler's sort at 256 rows of bf16 logits of SmolLM2's and
+    Qwen's vocabularies: the same tokens (a row whose mass sums land on either side of the cut in the two orders
+    of summation may differ) and log-probabilities."""
+    from kernels.sampling import top_p_sample
+    from pipeline.rollout.sampling import sample
+
+    torch.manual_seed(0)
+    B = 256
+    logits = (torch.randn(B, vocab, device="cuda") * 4).to(torch.bfloat16)
+    temperature = torch.tensor([0.0, 0.6, 0.7, 1.0], device="cuda").repeat(B // 4)
+    top_p = torch.tensor([0.7, 0.95, 0.9, 1.0, 0.5, 0.99, 0.8, 0.3], device="cuda").repeat(B // 8)
+    seeds, steps = torch.arange(B, device="cuda") * 31 + 5, torch.full((B,), 3, device="cuda")
+    off = torch.zeros(B, dtype=torch.long, device="cuda")
+    want, want_lp = sample(logits, temperature, top_p, off, seeds, steps, need_filter=True)
+    got, got_lp = top_p_sample(logits, temperature, top_p, seeds, steps)
+    same = (got == want).float().mean().item()
+    RESULTS.append((f"top-p kernel vs sort, tokens equal ({vocab})", same, 1.0))
+    assert same >= 0.99
+    assert torch.allclose(got_lp[got == want], want_lp[got == want], atol=1e-3)
+
+
 def test_engine_decode_step_paged_equals_gather():
     """One decode step of the rollout engine (bf16, sequences of 300-900 tokens over several KV blocks, forks
     sharing blocks): logits with the attention read in place (the engine's path, in its CUDA graph and eager)

@@ -190,6 +190,10 @@ def main() -> None:
     rows.append(("sampler, one pass (kernel)",
                  median_ms(lambda: sample(logits, ones, ones, off, seeds, steps, need_filter=False),
                            args.repeats)))
+    p95 = torch.full((B,), 0.95, device="cuda")
+    rows.append(("sampler, top-p 0.95 without a sort (kernel)",
+                 median_ms(lambda: sample(logits, ones, p95, off, seeds, steps, need_filter=True, need_top_k=False),
+                           args.repeats)))
     rows.append(("sampler, PyTorch with top-p/top-k filtering",
                  median_ms(lambda: sample(logits, ones, ones, off, seeds, steps, need_filter=True),
                            args.repeats)))
