@@ -435,6 +435,8 @@ class Engine:
         return finished
 
     def _prefill_chunk(self) -> list[RequestOutput]:
+        """The next chunk of the first job alone: a prompt longer than the budget, a preempted sequence's tokens,
+        a lone new prompt, or any prompt where the cache takes no packed prefill."""
         job = self.prefilling[0]
         resumed = isinstance(job, _Sequence)
         tokens, slot = (job.cached, job.slot) if resumed else (job.prompt_ids, job.slots[0])
