@@ -158,7 +158,9 @@ class EngineConfig:
     dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
     residual_dtype: str | None = bounded(None, choices=DTYPES)  # float32: skip connections as in training (ours only)
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
-    # while sequences run, admit waiting requests once this fraction of the slots is free, to prefill them together
+    # while sequences run, admit waiting requests once this fraction of the slots is free, to prefill them together:
+    # a small model's prefill forward costs its launches (docs/real_model.md); 0 admits at once (long generations
+    # of a large model leave up to about half this fraction of the slots idle while requests wait)
     refill_fraction: float = bounded(0.25, ge=0, le=1)
 
 
