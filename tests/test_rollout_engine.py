@@ -546,3 +546,15 @@ def test_profile_engine_names_the_lines_that_launch_operators(model, tokenizer):
     assert all(name.startswith(("sse_model/", "kernels/", "pipeline/", "(outside")) for name in rows)
     adds = {name.split()[0].rsplit(":", 1)[0] for name in rows if name.endswith("aten.add.Tensor")}
     assert "sse_model/ops/dispatch.py" in adds and "sse_model/modeling_sse.py" not in adds
+
+
+def test_profile_engine_times_one_prefill_forward(tokenizer):
+    """``profile_engine``'s prefill rows: several prompts go in one packed forward, the engine's own prefill."""
+    from pipeline.rollout.bench.profile_engine import prefill_forward_ms
+
+    torch.manual_seed(3)
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+    engine = make_engine(SSEForCausalLM(config).eval(), tokenizer, max_slots=8, prefill_chunk_size=1024)
+    assert prefill_forward_ms(engine, 4, 30, repeats=2) > 0
+    assert not engine.has_unfinished() and len(engine.free_slots) == 8

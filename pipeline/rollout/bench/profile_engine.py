@@ -9,8 +9,8 @@ then at that length: an engine step (forward, sampling, bookkeeping) synchronise
 back, the host's work overlapped), how busy served steps keep the GPU and its longest idle gaps, the forward alone
 (CUDA graph replay; eager with the paged decode attention and with gather + SDPA), the sampler alone (the one-pass
 kernel and the PyTorch path that filters), the step's memory roofline, the eager forward's GPU time by kernel and
-by the PyTorch operator that launched it (torch.profiler), and the operators' calls by the line of this project
-that called them. Each timing is the median over ``--repeats`` runs.
+by the PyTorch operator that launched it (torch.profiler), the operators' calls by the line of this project
+that called them, and a prefill forward of one prompt and of several packed in one row. Each timing is the median over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -53,6 +53,24 @@ def served_ms(engine: Engine, steps: int) -> float:
         engine.step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / steps
+
+
+def prefill_forward_ms(engine: Engine, prompts: int, tokens: int, repeats: int) -> float:
+    """Median ms of one prefill forward of ``prompts`` new prompts of about ``tokens`` tokens each (packed in one
+    row when more than one; each repeat new lengths, as real prompts bring), through the engine's own prefill:
+    at a small model's width its cost is the host's launches, whatever the tokens."""
+    times = []
+    for r in range(repeats + 1):  # one warm-up
+        engine.stats = type(engine.stats)()
+        for i in range(prompts):
+            length = tokens + (r * prompts + i) % 17
+            ids = [1 + (7 * j + r) % (engine.config.vocab_size - 1) for j in range(length)]
+            engine.add_request(ids, SamplingParams(max_tokens=1, seed=r))
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        assert engine.stats.prefill_forwards == 1, "the prompts should go in one forward: raise prefill_chunk_size"
+        times.append(engine.stats.prefill_seconds * 1e3)
+    return statistics.median(times[1:])
 
 
 def operator_lines(fn, top: int) -> list[tuple[str, int]]:
@@ -221,6 +239,11 @@ def main() -> None:
     print("\n| source line: PyTorch operator (eager forward) | calls |\n|---|---|")
     for name, n in lines_eager:
         print(f"| `{name[:110]}` | {n} |")
+    fresh = Engine(model, None, max_slots=64, max_model_len=1024, prefill_chunk_size=32768)
+    print("\n| prefill forward (the engine's, eager) | ms |\n|---|---|")
+    for prompts, tokens in ((1, 128), (1, 512), (8, 128), (32, 128), (32, 512)):
+        what = "one prompt" if prompts == 1 else f"{prompts} prompts packed in one row"
+        print(f"| {what} of ~{tokens} tokens | {prefill_forward_ms(fresh, prompts, tokens, args.repeats):.1f} |")
 
 
 if __name__ == "__main__":
