@@ -476,7 +476,6 @@ def test_fleet_broadcasts_weights_over_a_process_group(model, tokenizer, caplog)
         fleet = EngineFleet(model, tokenizer, num_engines=2, max_slots=4, max_model_len=96, weight_sync="gloo",
                             dtype=torch.bfloat16)
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False)["input_ids"]
         for version, seed in ((1, 7), (2, 8)):
             torch.manual_seed(seed)
             policy = SSEForCausalLM(model.config)
