@@ -34,14 +34,27 @@ def _pcg(x):
 
 
 @triton.jit
+def _row_key(seeds, steps, b):
+    """Row ``b``'s noise key, as :func:`pipeline.rollout.sampling.noise_keys` (seed's low 32 bits, then high, then
+    the step)."""
+    seed = tl.load(seeds + b)
+    key = _pcg(seed.to(tl.uint32) ^ _pcg((seed >> 32).to(tl.uint32)))
+    return _pcg(key ^ _pcg(tl.load(steps + b).to(tl.uint32)))
+
+
+def _check_rows(name: str, logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"{name}: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)} "
+                         f"with strides {logits.stride()}")
+
+
+@triton.jit
 def _race_kernel(logits, temperature, seeds, steps, tokens, logprobs, stride_b, V, BV: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.load(temperature + b)
     greedy = t <= 0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
-    seed = tl.load(seeds + b)  # the row's key, as pipeline.rollout.sampling.noise_keys (low 32 bits, then high)
-    key = _pcg(seed.to(tl.uint32) ^ _pcg((seed >> 32).to(tl.uint32)))
-    key = _pcg(key ^ _pcg(tl.load(steps + b).to(tl.uint32)))
+    key = _row_key(seeds, steps, b)
     offs = tl.arange(0, BV)
     m = tl.full([BV], float("-inf"), tl.float32)  # per lane: running max of the scaled logits
     s = tl.zeros([BV], tl.float32)  # per lane: sum of exp(scaled - m)
@@ -77,9 +90,7 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     """``logits [B, V]`` (any float dtype), ``temperature [B]``, ``seeds, steps [B]`` (int64, as
     :func:`pipeline.rollout.sampling.sample` takes them) -> ``(tokens [B] int64, logprobs [B] float32)``. One
     launch: at small batches the sampler's cost is its launches."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"race_sample: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)} "
-                         f"with strides {logits.stride()}")
+    _check_rows("race_sample", logits)
     B, V = logits.shape
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
@@ -102,9 +113,7 @@ def _top_p_kernel(logits, temperature, top_p, seeds, steps, tokens, logprobs, st
     greedy = t <= 0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
     p = tl.load(top_p + b)
-    seed = tl.load(seeds + b)
-    key = _pcg(seed.to(tl.uint32) ^ _pcg((seed >> 32).to(tl.uint32)))
-    key = _pcg(key ^ _pcg(tl.load(steps + b).to(tl.uint32)))
+    key = _row_key(seeds, steps, b)
     row = logits + b * stride_b
     offs = tl.arange(0, BV)
     # pass 1: the row's maximum, minimum and sum of exp(scaled - max) (per lane, merged at the end)
@@ -170,9 +179,7 @@ def top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     """:func:`race_sample` restricted to each row's top-p set (``top_p [B]``; no top-k): the tokens and
     log-probabilities (under the renormalised kept set) of :func:`pipeline.rollout.sampling.sample`, without a
     sort. One launch, one program per row."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"top_p_sample: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)} "
-                         f"with strides {logits.stride()}")
+    _check_rows("top_p_sample", logits)
     B, V = logits.shape
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
