@@ -26,7 +26,7 @@ from ..sampling import SamplingParams
 
 
 def workload(vocab: int, requests: int, prompt_len: tuple[int, int], mean_new: int, max_new: int, seed: int):
-    """``[(prompt ids, max_tokens)]``: one entry per request (its samples share the drawn length cap's draw)."""
+    """``[(prompt ids, max_tokens)]``, one entry per request (its samples share the drawn length)."""
     rng = random.Random(seed)
     out = []
     for _ in range(requests):
