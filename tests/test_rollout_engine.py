@@ -557,3 +557,20 @@ def test_profile_engine_times_one_prefill_forward(tokenizer):
     engine = make_engine(SSEForCausalLM(config).eval(), tokenizer, max_slots=8, prefill_chunk_size=1024)
     assert prefill_forward_ms(engine, 4, 30, repeats=2) > 0
     assert not engine.has_unfinished() and len(engine.free_slots) == 8
+
+
+def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
+    """``bench_numerics``' reference column: a float32 engine (chunked prefill, recurrent decode) gives the
+    float32 forward's log-probabilities of its own samples, so what it reports for bf16 is bf16's alone."""
+    import copy
+
+    from pipeline.rollout.bench.bench_numerics import measure
+
+    torch.manual_seed(5)
+    config = SSEConfig.from_preset("sse-h-tiny", max_position_embeddings=512)
+    trainer = SSEForCausalLM(config).eval()
+    engine = Engine(copy.deepcopy(trainer), None, max_slots=1, max_model_len=512, prefill_chunk_size=64,
+                    use_cuda_graphs=False)
+    row = measure(trainer, engine, 200, 12, torch.device("cpu"), seed=1)
+    assert row["tokens"] == 12 and row["trainer_fp32"] == 0.0  # no autocast on the CPU: the trainer is float32
+    assert row["engine_fp32"] == row["mean"] < 1e-4

@@ -6,7 +6,8 @@ trainer (float32 master weights under bf16 autocast on CUDA, one full forward as
 same tokens. Prints, per position, mean and max |logp_engine - logp_trainer| and the token-level importance ratio
 that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]), for each ``--residual`` of the
 engine: its skip connections in the weights' dtype, or in float32 as the trainer adds them (``residual_dtype``).
-Random weights.
+Beside them, how far each is from the same weights computed in float32 throughout (no autocast): the gap two
+bf16 computations of one model leave between them is what neither can close alone. Random weights.
 
     python -m pipeline.rollout.bench.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
     python -m pipeline.rollout.bench.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
@@ -24,10 +25,12 @@ from ..engine import Engine
 from ..sampling import SamplingParams
 
 
-def trainer_logprobs(model, ids: list[int], start: int, device: torch.device) -> torch.Tensor:
-    """Log-probabilities of ``ids[start:]`` as the GRPO trainer computes them (bf16 autocast on CUDA)."""
+def trainer_logprobs(model, ids: list[int], start: int, device: torch.device, autocast: bool = True) -> torch.Tensor:
+    """Log-probabilities of ``ids[start:]`` as the GRPO trainer computes them (bf16 autocast on CUDA), or in
+    float32 throughout (``autocast=False``: the reference both bf16 computations stray from)."""
     x = torch.tensor([ids], device=device)
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    on = autocast and device.type == "cuda"
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=on):
         logits = model(x, logits_to_keep=len(ids) - start + 1).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, x[0, start:, None]).squeeze(-1).cpu()
 
@@ -40,9 +43,12 @@ def measure(trainer_model, engine: Engine, position: int, new_tokens: int, devic
     engine_s = time.perf_counter() - start
     engine_logps = torch.tensor(out.logprobs)
     trainer_logps = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device)
+    reference = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device, autocast=False)
     gap = (engine_logps - trainer_logps).abs()
     ratio = (trainer_logps - engine_logps).exp()
     return {"position": position, "tokens": len(gap), "mean": gap.mean().item(), "max": gap.max().item(),
+            "engine_fp32": (engine_logps - reference).abs().mean().item(),
+            "trainer_fp32": (trainer_logps - reference).abs().mean().item(),
             "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
             "outside": ((ratio > 2) | (ratio < 0.5)).float().mean().item(), "engine_s": engine_s}
 
@@ -81,11 +87,12 @@ def main() -> None:
           f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'})\n")
     print("| engine residual | position | mean abs logp gap | max abs logp gap | ratio mean | ratio min | ratio max "
-          "| outside [1/2, 2] | engine s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| outside [1/2, 2] | mean gap, engine to float32 | mean gap, trainer to float32 | engine s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['residual']} | {r['position']} | {r['mean']:.2e} | {r['max']:.2e} | {r['ratio_mean']:.3f} "
-              f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | {r['outside']:.1%} | {r['engine_s']:.2f} |")
+              f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | {r['outside']:.1%} | {r['engine_fp32']:.2e} "
+              f"| {r['trainer_fp32']:.2e} | {r['engine_s']:.2f} |")
 
 
 if __name__ == "__main__":
