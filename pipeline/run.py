@@ -192,11 +192,18 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
     return _hand_on(recipe, "grpo", final)
 
 
-def _eval_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> dict:
-    from .stages.evaluate import run_eval
+def _generate_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> None:
+    from .stages.evaluate import generate_all
 
     _task_setup()
-    return run_eval(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
+    generate_all(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
+
+
+def _score_task(recipe: Recipe, out_dir: str) -> dict:
+    from .stages.evaluate import score_all
+
+    _task_setup()
+    return score_all(recipe, Path(out_dir))
 
 
 def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
@@ -337,11 +344,14 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 if group is not None:
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
-            task = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_eval_task)
+            generate = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_generate_task)
+            scoring = []  # each model is scored (CPU) while the GPU generates for the next
             for name in recipe.eval.models:
                 model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
-                ray.get(task.remote(recipe, str(stage_dir if name == "last" else stage_dir / name),
-                                    str(_stored(recipe, model, "eval")), where["eval_gpus"]))
+                model_dir = str(stage_dir if name == "last" else stage_dir / name)
+                ray.get(generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")), where["eval_gpus"]))
+                scoring.append(ray.remote(num_cpus=1)(_score_task).remote(recipe, model_dir))
+            ray.get(scoring)
         timings[stage] = time.time() - stage_start
     report = write_report(recipe, out, timings, time.time() - started)
     return report

@@ -79,19 +79,31 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
 
 
-def run_eval(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per_worker: float = 0) -> dict:
-    """``checkpoint``: a local path or a stored URI."""
+def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per_worker: float = 0) -> None:
+    """Every benchmark's generations of ``checkpoint`` (a local path or a stored URI) in ``out_dir``: here, or
+    sharded over ``eval.num_workers`` Ray workers of ``num_gpus_per_worker`` GPUs each."""
     out_dir = Path(out_dir)
     workers = recipe.eval.num_workers
     if workers <= 1:
         generate_shard(recipe, str(checkpoint), str(out_dir), (0, 1))
-    else:
-        task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
-        ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
-        store = _shard_store(recipe, workers, _model_id(str(checkpoint)))
-        if store is not None:  # every worker's shards, wherever it ran
-            get_files(store, out_dir / "generations")
+        return
+    task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
+    ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
+    store = _shard_store(recipe, workers, _model_id(str(checkpoint)))
+    if store is not None:  # every worker's shards, wherever it ran
+        get_files(store, out_dir / "generations")
+
+
+def score_all(recipe: Recipe, out_dir: Path) -> dict:
+    """Scores the generations in ``out_dir`` and writes its summary and reports: CPU only, so that a run can score
+    one model while the GPU generates for the next."""
     summary = score(out_dir, recipe.eval.benchmarks, recipe.eval.repeats, sampling_of(recipe), recipe.eval.limit,
                     instruction=recipe.prompt_instruction)
-    logger.info("eval: wrote %s", out_dir / "results.md")
+    logger.info("eval: wrote %s", Path(out_dir) / "results.md")
     return summary
+
+
+def run_eval(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per_worker: float = 0) -> dict:
+    """Generation, then scoring, of one model."""
+    generate_all(recipe, out_dir, checkpoint, num_gpus_per_worker)
+    return score_all(recipe, out_dir)
