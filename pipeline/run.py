@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ray
 import yaml
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoints import DONE, is_done, latest_complete_checkpoint, save_final
 from .distributed import is_main_process, run_data_parallel, world
@@ -192,11 +193,13 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
     return _hand_on(recipe, "grpo", final)
 
 
-def _generate_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> None:
+def _generate_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> str:
+    """Generations of one model; returns the node that holds them, where they are scored."""
     from .stages.evaluate import generate_all
 
     _task_setup()
     generate_all(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
+    return ray.get_runtime_context().get_node_id()
 
 
 def _score_task(recipe: Recipe, out_dir: str) -> dict:
@@ -345,12 +348,14 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
             generate = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_generate_task)
+            score = ray.remote(num_cpus=1)(_score_task)
             scoring = []  # each model is scored (CPU) while the GPU generates for the next
             for name in recipe.eval.models:
                 model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
                 model_dir = str(stage_dir if name == "last" else stage_dir / name)
-                ray.get(generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")), where["eval_gpus"]))
-                scoring.append(ray.remote(num_cpus=1)(_score_task).remote(recipe, model_dir))
+                node = ray.get(generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")), where["eval_gpus"]))
+                on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
+                scoring.append(score.options(scheduling_strategy=on_node).remote(recipe, model_dir))
             ray.get(scoring)
         timings[stage] = time.time() - stage_start
     report = write_report(recipe, out, timings, time.time() - started)
