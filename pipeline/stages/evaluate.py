@@ -101,9 +101,3 @@ def score_all(recipe: Recipe, out_dir: Path) -> dict:
                     instruction=recipe.prompt_instruction)
     logger.info("eval: wrote %s", Path(out_dir) / "results.md")
     return summary
-
-
-def run_eval(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per_worker: float = 0) -> dict:
-    """Generation, then scoring, of one model."""
-    generate_all(recipe, out_dir, checkpoint, num_gpus_per_worker)
-    return score_all(recipe, out_dir)
