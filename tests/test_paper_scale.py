@@ -1,0 +1,139 @@
+"""The tools that measure the paper's recipe at its real lengths (docs/paper_scale.md), on CPU at tiny sizes: what
+they time must be the trainer's real work, or their tables say nothing."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from sse_model import SSEConfig, SSEForCausalLM
+
+
+def tiny_hybrid() -> SSEForCausalLM:
+    torch.manual_seed(0)
+    config = SSEConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, mixer_types=["sse", "attn"], num_heads=2,
+                       head_dim=16, num_attention_heads=2, num_sparse_partitions=2, intermediate_size=64,
+                       lora_rank=4, max_position_embeddings=256)
+    return SSEForCausalLM(config)
+
+
+def test_packed_rows_restart_positions_and_score_no_token_across_sequences():
+    from pipeline.bench.train_at_length import packed_rows
+
+    (row,) = packed_rows(40, 16, 1, 96, "cpu")
+    assert row["position_ids"][0].tolist() == [*range(16), *range(16), *range(8)]
+    starts = (row["position_ids"][0] == 0).nonzero().squeeze(-1).tolist()
+    assert starts == [0, 16, 32]
+    assert (row["labels"][0, starts] == -100).all() and (row["labels"] != -100).sum() == 37
+
+
+def test_a_bench_step_is_the_trainers_loss_and_moves_the_weights():
+    """The optimizer step of ``train_at_length`` scores every row with the model's own LM loss (TRL's fused head over
+    the packed rows, normalised by the step's scored tokens), adds the balance loss and updates the weights."""
+    from pipeline.bench.train_at_length import measure, optimizer_step, packed_rows, prepare
+
+    model = tiny_hybrid()
+    batches = packed_rows(48, 16, 2, 96, "cpu")
+    with torch.no_grad():  # the model's own loss, row by row, before the fused head is patched in
+        own = [(model(**b).lm_loss, int((b["labels"][0, 1:] != -100).sum())) for b in batches]
+    expected = sum(loss * n for loss, n in own) / sum(n for _, n in own)
+    balance = prepare(model)
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)
+    total = optimizer_step(model, frozen, batches, balance, contextlib.nullcontext)
+    assert total == pytest.approx(float(expected), rel=1e-5)
+    assert balance, "the backbone's balance loss was not collected"
+
+    model = tiny_hybrid()
+    before = [p.detach().clone() for p in model.parameters()]
+    result = measure(model, 48, 16, accumulation=2, steps=1, device=torch.device("cpu"))
+    moved = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert moved == len(before), f"{len(before) - moved} parameters did not move"
+    assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["tokens_per_s"] > 0 and result["first_s"] > 0
+
+
+def test_the_dry_run_keeps_the_recipes_lengths_and_micro_batches():
+    """DRY_RUN shrinks counts only: 32k rows and rollouts, the recipe's micro-batches of 2 rows, a mini-batch per
+    optimizer step, and exactly one generation batch trained on in full."""
+    from pipeline.bench.paper_dry_run import DRY_RUN
+    from pipeline.recipe import load_recipe
+
+    full = load_recipe("paper-2b")
+    dry = load_recipe("paper-2b", DRY_RUN + ["distill.data.source=math_train"])
+    assert dry.model.path is None and dry.model.preset == "sse-h-2b"
+    assert dry.model.config_overrides["vocab_size"] == 151936
+    assert (dry.distill.max_length, dry.distill.batch_size, dry.distill.gradient_accumulation_steps) == \
+        (full.distill.max_length, full.distill.batch_size, full.distill.gradient_accumulation_steps) == (32768, 1, 16)
+    assert dry.grpo.max_completion_length == full.grpo.max_completion_length == 32768
+
+    def micro_batch(g):
+        return g.prompts_per_batch // g.mini_batches * g.num_generations // g.gradient_accumulation_steps
+
+    assert micro_batch(dry.grpo) == micro_batch(full.grpo) == 2
+    assert dry.grpo.steps == dry.grpo.mini_batches * dry.grpo.num_iterations  # one generation batch
+    assert not dry.grpo.dynamic_sampling and dry.eval.limit * dry.eval.repeats == 4
+
+
+def test_long_records_have_the_trace_lengths_of_openr1_math(tmp_path):
+    from pipeline.bench.paper_dry_run import write_long_records
+    from pipeline.data import read_records
+
+    stats = write_long_records(tmp_path / "long.jsonl", 2000, 32768)
+    assert abs(stats["median"] / 3600 - 1) < 0.1 and abs(stats["p90"] / 9100 - 1) < 0.15
+    records = [r for _, r in read_records(tmp_path / "long.jsonl")]
+    lengths = sorted(len(r["solution"]) for r in records)
+    assert len(records) == 2000 and lengths[1000] == stats["median"] and lengths[-1] == stats["max"] <= 32768
+    assert all(r["solution"].endswith("\\boxed{1}") for r in records)
+
+
+def test_measured_rates_agree_with_a_real_runs_report():
+    """Read from the SSE-H arm's SmolLM2-135M run kept in docs/runs: docs/real_model.md reports its distillation
+    as 3.95M tokens in 299 s of training and its GRPO as 40 generation batches at 3.56 s of rollout, 2.96 s of
+    training and 12,318 generated tokens/s (the mean of the logged rates)."""
+    from pathlib import Path
+
+    from pipeline.bench.paper_dry_run import measured_rates
+
+    rates = measured_rates(Path(__file__).resolve().parents[1] / "docs" / "runs" / "smollm2-135m")
+    assert 3.95e6 / 299 * 0.95 < rates["distill"]["tokens_per_s"] < 3.95e6 / 299 * 1.15  # the first steps left out
+    g = rates["grpo"]
+    assert g["rollout_s"] / 40 == pytest.approx(3.56, rel=0.02) and g["train_s"] / 40 == pytest.approx(2.96, rel=0.02)
+    assert g["generated_per_s"] == pytest.approx(12318, rel=0.05)
+    assert g["rollouts"] == 40 * 3 * 16 * 8  # every prompt of three sampling rounds, 8 rollouts each
+    assert rates["eval"]["generated_tokens"] > 0
+
+
+def test_projection_scales_each_stage_as_its_assumptions_say():
+    from pipeline.bench.paper_dry_run import projection
+    from pipeline.recipe import load_recipe
+
+    full = load_recipe("paper-2b")
+    rates = {"distill": {"tokens_per_s": 10000.0},
+             "grpo": {"rollouts": 64, "mean_prompt": 200.0, "generated_per_s": 5000.0, "trained_per_s": 20000.0,
+                      "weight_sync_s": 10.0, "reward_s": 4.0}}
+    one, eight = (projection(rates, full, gpus, 4000, 8192) for gpus in (1, 8))
+    assert one["distill_h"] == pytest.approx(80000 * 5 * 4000 / 10000 / 3600)
+    assert eight["distill_h"] == pytest.approx(one["distill_h"] / 8)
+    rollouts = 32 * 8
+    generate, train, fixed = rollouts * 8192 / 5000, rollouts * (200 + 8192) / 20000, 10 + 4 * rollouts / 64
+    assert one["grpo_batch_s"] == pytest.approx(generate + train + fixed)
+    assert one["grpo_h"] == pytest.approx(230 * one["grpo_batch_s"] / 3600)
+    engines, trainers = eight["grpo_split"]
+    assert engines + trainers == 8
+    assert eight["grpo_batch_s"] == pytest.approx(min(generate / e + train / (8 - e) + fixed for e in range(1, 8)))
+    assert eight["eval_h"] == pytest.approx(1275 * 32 * 8192 / (5000 * 8) / 3600)
+
+
+def test_every_packaged_problem_with_an_answer_field_has_an_answer():
+    """GRPO refuses a prompt without an answer (it cannot be rewarded), so one such record in packaged data stops
+    every recipe that trains on it; ``recipes/paper-2b``'s prompts (math_train) had two."""
+    from pipeline.data import PACKAGED, prompt_dataset, read_records
+    from pipeline.recipe import load_recipe
+
+    for name, path in PACKAGED.items():
+        empty = [i for i, r in read_records(path) if "answer" in r and not str(r["answer"]).strip()]
+        assert not empty, f"{name}: records {empty} have no answer"
+    recipe = load_recipe("paper-2b")
+    assert len(prompt_dataset(recipe.grpo.data, recipe.prompt_instruction)) == 7472
