@@ -67,8 +67,7 @@ def markdown(results: list[LossResult], reference: float | None = None) -> str:
 
 def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None) -> str:
     from .data import sft_dataset
-    from .known_models import resolve
-    from .models import load_tokenizer, resolve_device
+    from .models import load_tokenizer, local_model, resolve_device
     from .recipe import DataSpec, Recipe, load_recipe
     from sse_model.checkpoint import load_pretrained
 
@@ -78,7 +77,7 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     where = resolve_device(device)
     tokenizer, results = None, []
     for name in models:
-        path = resolve(name)
+        path = local_model(name)
         if tokenizer is None:  # one tokenizer for all: the first model's (converted models keep their source's)
             tokenizer = load_tokenizer(None, path)
         model = load_pretrained(path, torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +22,55 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def local_model(name_or_path: str | Path) -> str:
+    """Where a model a recipe names loads from: a known model's cached file (:func:`resolve`), and a GGUF file as
+    the transformers folder unpacked from it (:func:`unpacked`); anything else unchanged."""
+    source = resolve(str(name_or_path))
+    return str(unpacked(Path(source))) if source.endswith(".gguf") else source
+
+
+def unpacked(gguf_file: Path) -> Path:
+    """A GGUF file as a transformers folder (float32 safetensors, config, tokenizer), written once into the cache.
+    transformers parses and dequantises a GGUF at every load (~10 s for SmolLM2-135M on the GPU machine) and a
+    run loads its source up to six times (conversion, teacher, tokenizers, the evaluation's initial model); the
+    folder loads in about a second. Named by the file's path, size and modification time, so a replaced file is
+    unpacked again; written under a temporary name and renamed, so a reader never sees half of it."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sse_model.checkpoint import load_pretrained
+
+    from .storage import cache_home
+
+    stat = gguf_file.stat()
+    key = hashlib.sha1(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_home() / "unpacked" / f"{gguf_file.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        # transformers marks a model read from GGUF as quantised and will not save it: the same weights, dequantised,
+        # go into a plain model of its config (a weight still in GGUF blocks would not load into it: loud, not wrong)
+        source = load_pretrained(gguf_file, torch.float32)
+        if hasattr(source.config, "quantization_config"):
+            del source.config.quantization_config
+        plain = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+        plain.load_state_dict(source.state_dict())
+        plain.save_pretrained(partial)
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(partial)
+        os.replace(partial, folder)
+    except OSError:
+        if not (folder / "config.json").exists():  # not a concurrent unpacking that finished first
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
 def load_tokenizer(name: str | None, fallback: str | Path | None = None):
     from transformers import AutoTokenizer
 
@@ -29,11 +79,7 @@ def load_tokenizer(name: str | None, fallback: str | Path | None = None):
     source = name or fallback
     if source is None:
         raise ValueError("model.tokenizer is needed to build a model from a preset (a path, hub name, or 'char')")
-    source = resolve(str(source))
-    if source.endswith(".gguf"):  # the tokenizer travels inside the GGUF file
-        tokenizer = AutoTokenizer.from_pretrained(Path(source).parent, gguf_file=Path(source).name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(local_model(source))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -48,11 +94,11 @@ def load_model(spec: ModelSpec, checkpoint: str | Path | None = None, seed: int 
     from sse_model.convert import convert_to_sse
 
     dtype = dtype or DTYPES[spec.dtype]
-    path = checkpoint or (resolve(spec.path) if spec.path else None)
+    path = checkpoint or (local_model(spec.path) if spec.path else None)
     if path is not None:
         return load_pretrained(path, dtype), load_tokenizer(spec.tokenizer if checkpoint is None else None, path)
     if spec.convert_from is not None:
-        source = resolve(spec.convert_from)
+        source = local_model(spec.convert_from)
         torch.manual_seed(seed)
         model = convert_to_sse(load_pretrained(source, dtype), start=spec.convert_start, **spec.config_overrides)
         return model, load_tokenizer(spec.tokenizer, source)
@@ -73,7 +119,7 @@ def load_teacher(spec: ModelSpec, dtype: torch.dtype = torch.float32):
 
     if spec.convert_from is None:
         raise ValueError("a teacher is the Transformer a recipe converts: set model.convert_from")
-    source = load_pretrained(resolve(spec.convert_from), dtype)
+    source = load_pretrained(local_model(spec.convert_from), dtype)
     teacher = convert_to_sse(source, mixer_types=["attn"] * source.config.num_hidden_layers)
     return teacher.eval().requires_grad_(False)
 

@@ -1,7 +1,10 @@
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# nor the user's cache (models unpacked from GGUF files, stored checkpoints)
+os.environ.setdefault("SSE_PIPELINE_CACHE", tempfile.mkdtemp(prefix="sse-pipeline-tests-"))
 
 import pytest
 import torch

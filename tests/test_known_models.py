@@ -4,11 +4,13 @@ writer loads with its tokenizer, converts to SSE-H and trains; fetching refuses 
 from __future__ import annotations
 
 import hashlib
+import os
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from pipeline.known_models import FetchError, ModelSource, fetch, resolve
 from pipeline.models import load_model, load_tokenizer
@@ -115,6 +117,41 @@ def test_a_gguf_file_loads_with_its_tokenizer_and_converts_to_sse_h(llama_gguf):
         load_pretrained(path, require_sse=True)
     with pytest.raises(CheckpointError, match="no such GGUF file"):
         load_pretrained(path.with_name("missing.gguf"))
+
+
+def test_a_gguf_file_is_unpacked_once_into_a_folder_that_loads_the_same(llama_gguf, tmp_path, monkeypatch):
+    """Every load of a GGUF file parses and dequantises it again (~10 s for SmolLM2-135M, up to six times a run):
+    the loaders read the folder unpacked from it on first use, with the same weights and tokenizer, and unpack
+    it again when the file is replaced."""
+    import shutil
+
+    from pipeline import models
+
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path / "cache"))
+    path, original = llama_gguf
+    gguf = tmp_path / path.name
+    shutil.copy(path, gguf)
+    folder = Path(models.local_model(gguf))
+    assert folder.is_dir() and folder.parent == tmp_path / "cache" / "unpacked"
+    from_gguf, from_folder = load_tokenizer(None, gguf), AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "the answer is 7"}]
+    assert from_folder.apply_chat_template(chat, add_generation_prompt=True) == \
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).apply_chat_template(chat, add_generation_prompt=True)
+    assert from_gguf.eos_token == from_folder.eos_token == "<|im_end|>"
+    ids = from_folder("the answer is 7", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(load_pretrained(folder, torch.float32).eval()(ids).logits, original(ids).logits)
+
+    os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 10**9))  # replaced: another modification time
+    again = Path(models.local_model(gguf))
+    assert again != folder and sorted((tmp_path / "cache" / "unpacked").iterdir()) == sorted([folder, again])
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr("sse_model.checkpoint._load_gguf", no_parse)
+    model, tokenizer = load_model(ModelSpec(convert_from=str(gguf)), dtype=torch.float32)  # from the folder
+    assert isinstance(model, SSEForCausalLM) and tokenizer.eos_token == "<|im_end|>"
 
 
 def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path):
