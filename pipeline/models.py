@@ -155,8 +155,6 @@ def precision_name(recipe, device: torch.device) -> str:
 def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict:
     """The training arguments distillation and GRPO share (TRL's ``SFTConfig`` / ``GRPOConfig`` keys): where
     checkpoints and TensorBoard logs go, precision, seeds, checkpointing and logging cadence."""
-    import os
-
     # transformers' TensorBoard callback reads its folder from the environment (``logging_dir`` is deprecated)
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")
     return dict(
