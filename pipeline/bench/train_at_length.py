@@ -5,7 +5,8 @@
     python -m pipeline.bench.train_at_length --models sse-h-tiny --tokens 256 --lengths 64 256 --device cpu
 
 One optimizer step is what ``recipes/paper-2b``'s distillation does per step, on random weights: ``--accumulation``
-packed rows of ``--tokens`` tokens each (the recipe: 16 rows of 32,768), every row made of sequences of one
+packed rows of ``--tokens`` tokens each (the recipe: 16 rows of 32,768; the default 4 keeps a table inside one
+device call and changes only how often AdamW runs, not the rows' cost or the peak), every row made of sequences of one
 ``--lengths`` value (position ids restarting at each sequence, as TRL's padding-free collator hands them to the
 model, so the SSE states reset and attention stays inside each sequence); float32 master weights, bf16 autocast
 on CUDA, non-reentrant gradient checkpointing, TRL's fused LM head (what ``SFTTrainer`` patches in: the
@@ -106,8 +107,8 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["sse-h-2b", "transformer-2b"], help="presets")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per packed row (paper-2b: 32768)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768], help="sequence lengths")
-    parser.add_argument("--accumulation", type=int, default=16, help="rows per optimizer step (paper-2b: 16)")
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps after the first")
+    parser.add_argument("--accumulation", type=int, default=4, help="rows per optimizer step (paper-2b: 16)")
+    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps after the first")
     parser.add_argument("--attention", nargs="+", default=["varlen"], help="varlen, per-sequence (softmax layers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
