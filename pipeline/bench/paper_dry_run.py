@@ -45,8 +45,12 @@ DRY_RUN = [
     "eval.benchmarks=[aime24]", "eval.limit=2", "eval.repeats=2",
 ]
 
-# problems x the recipe's 32 samples: AIME24, AIME25, MATH500, AMC23, OlympiadBench (eval/data)
-EVAL_PROBLEMS = {"aime24": 30, "aime25": 30, "math500": 500, "amc23": 40, "olympiadbench": 675}
+
+def eval_problems(recipe) -> int:
+    """The problems the recipe's evaluation scores (each ``eval.repeats`` times)."""
+    from eval.benchmarks import load_problems
+
+    return sum(len(load_problems(name, limit=recipe.eval.limit)) for name in recipe.eval.benchmarks)
 
 
 def write_long_records(path: Path, count: int, max_tokens: int, seed: int = 0) -> dict:
@@ -158,7 +162,7 @@ def projection(rates: dict, recipe, gpus: int, trace_tokens: float, generated_to
                               for e in range(1, gpus)), key=lambda x: x[1])
     generation_batches = math.ceil(cfg.steps / cfg.mini_batches)
     grpo_h = generation_batches * batch_s / 3600
-    eval_samples = sum(EVAL_PROBLEMS.get(b, 0) for b in recipe.eval.benchmarks) * recipe.eval.repeats
+    eval_samples = eval_problems(recipe) * recipe.eval.repeats
     eval_h = eval_samples * generated_tokens / (g["generated_per_s"] * gpus) / 3600
     return {"gpus": gpus, "distill_h": distill_h, "grpo_h": grpo_h, "grpo_split": split, "grpo_batch_s": batch_s,
             "eval_h": eval_h, "total_h": distill_h + grpo_h + eval_h}
@@ -180,7 +184,7 @@ def report(stages: dict, rates: dict, records: dict, projections: list[dict], ar
         lines += [f"Projection of the full recipe ({recipe.distill.data.max_samples:,} samples x "
                   f"{recipe.distill.epochs:g} epochs, {math.ceil(recipe.grpo.steps / recipe.grpo.mini_batches)} "
                   f"generation batches of {recipe.grpo.prompts_per_batch} x {recipe.grpo.num_generations}, "
-                  f"{sum(EVAL_PROBLEMS.get(b, 0) for b in recipe.eval.benchmarks):,} problems x "
+                  f"{eval_problems(recipe):,} problems x "
                   f"{recipe.eval.repeats}), hours:", "",
                   "| generated tokens per sample | GPUs | distill | GRPO (engines + trainers) | eval | total |",
                   "| --- | --- | --- | --- | --- | --- |"]
