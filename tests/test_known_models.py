@@ -120,7 +120,7 @@ def test_a_gguf_file_loads_with_its_tokenizer_and_converts_to_sse_h(llama_gguf):
 
 
 def test_a_gguf_file_is_unpacked_once_into_a_folder_that_loads_the_same(llama_gguf, tmp_path, monkeypatch):
-    """Every load of a GGUF file parses and dequantises it again (~10 s for SmolLM2-135M, up to six times a run):
+    """Every load of a GGUF file parses and dequantises it again (three times, ~30 s, in SmolLM2-135M's run):
     the loaders read the folder unpacked from it on first use, with the same weights and tokenizer, and unpack
     it again when the file is replaced."""
     import shutil

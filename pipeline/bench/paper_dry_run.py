@@ -94,20 +94,21 @@ class MemoryPoll:
             self._stop.wait(self.every_s)
 
     def __enter__(self):
-        if shutil.which("nvidia-smi"):
-            self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread = threading.Thread(target=self._poll, daemon=True) if shutil.which("nvidia-smi") else None
+        if self._thread is not None:
             self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        if shutil.which("nvidia-smi"):
+        if self._thread is not None:
             self._thread.join()
 
 
 def measured_rates(out: Path) -> dict:
     """What the stages' own logs say, as rates the projection scales: distillation tokens/s after its first
-    step, GRPO's generated tokens/s and trained tokens/s, evaluation's generated tokens/s."""
+    step, GRPO's generated tokens/s and trained tokens/s; and the evaluation's generated tokens (the projection
+    scores evaluation at GRPO's engine rate: a few samples do not fill an engine)."""
     from ..metrics import read_metrics
 
     found: dict = {}
@@ -208,7 +209,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="runs/paper-dry-run")
     parser.add_argument("--recipe", default="paper-2b")
     parser.add_argument("--records", type=int, default=2000, help="distillation records written")
-    parser.add_argument("--stages", nargs="+", default=["distill", "grpo", "eval"])
+    parser.add_argument("--stages", nargs="+", default=["distill", "grpo", "eval"], choices=["distill", "grpo", "eval"],
+                        help="(overrides go before it: it takes every word after it)")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 64], help="GPU counts projected")
     parser.add_argument("--trace-tokens", type=float, default=None,
                         help="mean distillation sample in tokens (default: the records' mean)")
@@ -233,14 +235,11 @@ def main(argv=None) -> None:
                     f"{recipe.grpo.max_completion_length:,} tokens, {recipe.grpo.steps} optimizer steps over them",
             "eval": f"{recipe.eval.limit} problems x {recipe.eval.repeats} samples of "
                     f"{', '.join(recipe.eval.benchmarks)} up to {recipe.eval.max_new_tokens:,} tokens"}
-    stages: dict = {"stages": {}}
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            stages["device"] = torch.cuda.get_device_name()
-    except ImportError:
-        pass
+    stages: dict = {"stages": {}}
+    if torch.cuda.is_available():
+        stages["device"] = torch.cuda.get_device_name()
     for stage in args.stages:
         start = time.time()
         with MemoryPoll() as memory:
