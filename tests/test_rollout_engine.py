@@ -239,6 +239,31 @@ def test_memory_planning(model, tokenizer):
         make_engine(model, tokenizer, max_slots=None, memory_budget=per_slot // 2)
 
 
+def test_a_sleeping_engine_plans_its_memory_again_from_what_is_free_when_it_wakes(model, tokenizer, monkeypatch):
+    """Colocated with a trainer, the engine starts before the trainer's model and optimizer take their memory:
+    without a budget of its own it plans at each wake from the memory free then (on an H100 the 2B trainer could
+    not load beside an engine that had taken 90% of the free memory at its start). A given budget stays."""
+    import pipeline.rollout.engine as engine_module
+
+    per_slot = make_engine(model, tokenizer).per_slot_bytes
+    free = {"bytes": 20 * per_slot}
+    monkeypatch.setattr(engine_module, "default_memory_budget", lambda device: int(free["bytes"] * 0.9))
+    engine = make_engine(model, tokenizer, max_slots=None)
+    roomy = (engine.max_slots, engine.num_blocks)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+    before = [[c.token_ids for c in o.outputs] for o in engine.generate(PROMPTS, params)]
+    engine.sleep()
+    free["bytes"] = 4 * per_slot  # the trainer took the rest
+    after = [[c.token_ids for c in o.outputs] for o in engine.generate(PROMPTS, params)]
+    assert (engine.max_slots, engine.num_blocks) < roomy and engine.memory_budget == int(4 * per_slot * 0.9)
+    assert after == before  # fewer slots, the same samples
+    given = make_engine(model, tokenizer, max_slots=None, memory_budget=10 * per_slot)
+    planned = (given.max_slots, given.num_blocks)
+    given.sleep()
+    given.generate(PROMPTS[:1], params)
+    assert (given.max_slots, given.num_blocks) == planned
+
+
 def test_block_allocator_counts_references():
     from sse_model.cache import BlockAllocator
 

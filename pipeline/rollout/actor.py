@@ -28,6 +28,8 @@ class RolloutWorker:
             model = str(materialize(model))
         self.engine = create_engine(model, tokenizer, **engine_kwargs)
         self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
+        if sleep_between_calls:  # and until the first: the trainer loads its model after the engines start
+            self.engine.sleep()
 
     def generate(self, prompts, sampling_params) -> list[RequestOutput]:
         outputs = self.engine.generate(prompts, sampling_params)
@@ -99,6 +101,7 @@ class EngineFleet:
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
         self.max_restarts, self.restarts = max_restarts, 0
         self.weight_sync = weight_sync
+        self.sleeps = bool(engine_kwargs.get("sleep_between_calls"))  # its engines share a trainer's GPU memory
         self._group = None  # the broadcast group, formed at the first sync (again after a replacement)
         # the latest synced weights, for a replacement: an object ref, or (broadcast) the trainer's state dict,
         # whose tensors do not change while the fleet generates (the trainer waits for the rollout)

@@ -219,14 +219,12 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         self.block_size = block_size
         self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype)
-        self.memory_budget = memory_budget if memory_budget is not None else default_memory_budget(device)
-        self.max_slots, self.num_blocks = self._plan_memory(max_slots, num_blocks)
         if not 0 <= refill_fraction <= 1:
             raise ValueError(f"refill_fraction must be in [0, 1], got {refill_fraction}")
         self.refill_fraction = refill_fraction
-        self.scratch_slot = self.max_slots  # padding rows of graph buckets write here
+        self._asked = (memory_budget, max_slots, num_blocks)
+        self._plan()
         self.cache = self._new_cache()
-        self.free_slots: deque[int] = deque(range(self.max_slots))
         self.waiting: deque[_Request] = deque()
         self.resuming: deque[_Sequence] = deque()  # preempted sequences, recomputed before new requests start
         self.prefilling: deque[_Request | _Sequence] = deque()
@@ -247,6 +245,16 @@ class Engine:
         self._joined = False  # sequences joined the running ones since the last step launched over all of them
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._graph_pool = None  # one memory pool for every captured graph: the largest bucket's, not their sum
+
+    def _plan(self) -> None:
+        """Sizes the slots and KV blocks. Without a ``memory_budget`` the budget is 90% of the memory free at this
+        moment, so an engine that sleeps beside a trainer plans again at each wake from what the trainer leaves
+        (its weights and optimizer states, which it does not hold when the engine starts)."""
+        memory_budget, max_slots, num_blocks = self._asked
+        self.memory_budget = memory_budget if memory_budget is not None else default_memory_budget(self.device)
+        self.max_slots, self.num_blocks = self._plan_memory(max_slots, num_blocks)
+        self.scratch_slot = self.max_slots  # padding rows of graph buckets write here
+        self.free_slots: deque[int] = deque(range(self.max_slots))
 
     def _plan_memory(self, max_slots: int | None, num_blocks: int | None) -> tuple[int, int]:
         """``(max_slots, num_blocks)`` within the memory budget (``num_blocks`` given: as given); one sequence of
@@ -335,6 +343,8 @@ class Engine:
 
     def wake_up(self) -> None:
         if self.cache is None:
+            if self._asked[0] is None:  # the default budget follows the memory free now
+                self._plan()
             self.cache = self._new_cache()
 
     def step(self) -> list[RequestOutput]:
@@ -706,6 +716,8 @@ class Engine:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if not self.has_unfinished():
+            self.wake_up()  # a sleeping engine plans its memory before the requests are checked against it
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         results: dict[str, RequestOutput] = {}
         bar = None

@@ -209,6 +209,8 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
                                  logprobs=True) for i, g in enumerate(groups)]
         prompt_ids = [tokenizer(texts[g[0]], add_special_tokens=False)["input_ids"][-args.max_prompt_length:]
                       for g in groups]
+        if getattr(self.fleet, "sleeps", False) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the colocated engine plans its memory from what is free when it wakes
         result = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for out in self.fleet.generate(prompt_ids, params):
             for completion in out.outputs:
