@@ -88,6 +88,29 @@ def test_long_records_have_the_trace_lengths_of_openr1_math(tmp_path):
     assert all(r["solution"].endswith("\\boxed{1}") for r in records)
 
 
+def test_a_stage_that_fails_is_reported_and_the_next_still_runs(tmp_path, monkeypatch):
+    """The first H100 dry run's GRPO ran out of memory; the run went on to the evaluation and its report says why."""
+    import json
+
+    import pipeline.run
+    from pipeline.bench import paper_dry_run
+
+    ran = []
+
+    def run_recipe(recipe, stages):
+        ran.append(stages[0])
+        if stages[0] == "grpo":
+            raise RuntimeError("\x1b[36mCUDA out of memory\x1b[39m. Tried to allocate 1.30 GiB\nmore")
+
+    monkeypatch.setattr(pipeline.run, "run_recipe", run_recipe)
+    paper_dry_run.main(["--out", str(tmp_path), "--records", "20", "--stages", "distill", "grpo", "eval"])
+    assert ran == ["distill", "grpo", "eval"]
+    stages = json.loads((tmp_path / "dry_run.json").read_text())["stages"]["stages"]
+    assert stages["grpo"]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 1.30 GiB"
+    assert "error" not in stages["eval"]
+    assert "(stopped: RuntimeError: CUDA out of memory" in (tmp_path / "dry_run.md").read_text()
+
+
 def test_measured_rates_agree_with_a_real_runs_report():
     """Read from the SSE-H arm's SmolLM2-135M run kept in docs/runs: docs/real_model.md reports its distillation
     as 3.95M tokens in 299 s of training and its GRPO as 40 generation batches at 3.56 s of rollout, 2.96 s of

@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import random
+import re
 import shutil
 import subprocess
 import threading
@@ -251,7 +252,8 @@ def main(argv=None) -> None:
                 run_recipe(recipe, stages=(stage,))
             except Exception as exc:  # a dry run reports what does not fit and goes on to the next stage
                 traceback.print_exc()
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                first_line = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()[:1]  # Ray colours it
+                error = f"{type(exc).__name__}: {' '.join(first_line)}"[:300]
         stages["stages"][stage] = {"wall_s": time.time() - start, "peak_mib": memory.peak_mib, "what": what[stage]}
         if error:
             stages["stages"][stage]["error"] = error

@@ -40,6 +40,23 @@ def engine_tokens(model: SSEForCausalLM, prompts) -> list[list[int]]:
     return tokens
 
 
+def assert_greedy_agrees(model: SSEForCausalLM, prompts, got, want, tolerance: float = 1.0) -> None:
+    """vLLM's greedy tokens are our engine's, or part from them where ``model`` (bf16, as both serve it) ranks
+    the two tokens within ``tolerance`` logits: a near-tie that bf16 rounding in other kernels may flip (seen after
+    a weight update: one prompt of three parted at its 23rd token). A wrong weight parts early and far."""
+    model = model.cuda()
+    for prompt, g, w in zip(prompts, got, want):
+        if g == w:
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(g, w)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + w[:i]], device="cuda")).logits[0, -1].float()
+        gap = (logits[w[i]] - logits[g[i]]).item()
+        print(f"greedy parts at token {i} of {len(w)}: logit gap {gap:.3f} (top logit {logits.max().item():.1f})")
+        assert gap <= tolerance, f"vLLM parts from the engine at token {i} with a logit gap of {gap:.3f}"
+    model.cpu()
+
+
 def test_vllm_engine_follows_weights_and_sleep(tmp_path):
     first, second = small_sse_h(0), small_sse_h(1)
     first.save_pretrained(tmp_path)
@@ -49,18 +66,19 @@ def test_vllm_engine_follows_weights_and_sleep(tmp_path):
 
     engine = create_engine(str(tmp_path), None, backend="vllm", max_slots=8, max_model_len=512,
                            memory_budget=2 * 1024**3, use_cuda_graphs=False)
-    got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
-    assert got == want_first
+    assert_greedy_agrees(first, prompts, [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)],
+                         want_first)
     engine.update_weights(second.state_dict(), version=5)
     assert engine.get_stats()["weights_version"] == 5
-    assert [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)] == want_second
+    assert_greedy_agrees(second, prompts, [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)],
+                         want_second)
     engine.sleep()
     engine.wake_up()
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     done = {}
     while engine.has_unfinished():
         done.update({out.request_id: out for out in engine.step()})
-    assert [done[i].outputs[0].token_ids for i in ids] == want_second
+    assert_greedy_agrees(second, prompts, [done[i].outputs[0].token_ids for i in ids], want_second)
     # a request of n samples (evaluation's repeats) comes out once, with all of them
     sampled = engine.add_request(prompts[1], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=0))
     outs = []
