@@ -54,6 +54,30 @@ def test_a_bench_step_is_the_trainers_loss_and_moves_the_weights():
     assert result["tokens_per_s"] > 0 and result["first_s"] > 0
 
 
+def test_a_benchmarked_model_is_freed_before_the_next_is_built():
+    """A model patched as the trainer patches it lives on after ``del`` (reference cycles): on the GPU the next row's
+    peak memory held its weights. ``release`` frees it."""
+    import gc
+    import weakref
+
+    from pipeline.bench import release
+    from pipeline.bench.train_at_length import measure
+
+    enabled = gc.isenabled()
+    gc.disable()  # the collector must not run on its own during the check
+    try:
+        model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny"))
+        measure(model, 64, 32, 1, 0, torch.device("cpu"))
+        alive = weakref.ref(model)
+        del model
+        assert alive() is not None  # what made the peaks wrong
+        release(torch.device("cpu"))
+        assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_the_dry_run_keeps_the_recipes_lengths_and_micro_batches():
     """DRY_RUN shrinks counts only: 32k rows and rollouts, the recipe's micro-batches of 2 rows, a mini-batch per
     optimizer step, and exactly one generation batch trained on in full."""

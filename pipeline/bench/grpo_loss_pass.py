@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from . import release
+
 
 def timed_passes(model, completions: int, length: int, prompt: int, micro_batch: int, device: torch.device) -> dict:
     from ..packing import packed_logps
@@ -94,8 +96,7 @@ def main(argv=None) -> None:
             rows.append((name, completions, length, r))
             print(name, completions, length, r, flush=True)
         del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\nGRPO trainer passes, prompts of {args.prompt} tokens, micro-batches of {args.micro_batch} rows "
           f"({where})\n")

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from . import release
+
 
 def packed_rows(tokens: int, length: int, rows: int, vocab: int, device) -> list[dict]:
     """``rows`` packed rows of ``tokens`` tokens, each of sequences of ``length`` tokens (the last one shorter),
@@ -135,8 +137,7 @@ def main(argv=None) -> None:
                 rows.append((path, length, name, r, set(config.mixer_types) == {"attn"}))
                 print(path, length, name, r and {k: v for k, v in r.items() if k != "losses"}, flush=True)
                 del model
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\nOptimizer steps of {args.accumulation} packed rows x {args.tokens:,} tokens ({where}; AdamW, "
           f"{'bf16 autocast, ' if device.type == 'cuda' else ''}checkpointing, fused LM head)\n")
