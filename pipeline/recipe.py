@@ -218,9 +218,10 @@ class GRPOStageConfig:
     placement: str = bounded("auto", choices=("auto", "colocated", "split"))
     max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
     engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
-    # trainer -> engines: through Ray's object store, or broadcast over a process group (NCCL when the engines
-    # have GPUs of their own, gloo on CPU; not with engines on the trainer's GPU)
-    weight_sync: str = bounded("object_store", choices=("object_store", "broadcast"))
+    # trainer -> engines: through Ray's object store, broadcast over a process group (NCCL when the engines have
+    # GPUs of their own, gloo on CPU; not with engines on the trainer's GPU), or cuda_ipc: engines on the
+    # trainer's GPU (placement colocated, engine.backend sse) copy them from its memory, no trip through the host
+    weight_sync: str = bounded("object_store", choices=("object_store", "broadcast", "cuda_ipc"))
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging_steps: int = bounded(1, ge=1)
     save_steps: int = bounded(10, ge=1)
@@ -375,6 +376,9 @@ class Recipe:
                  f"{g.loss_type!r}: a short batch is filled with groups masked out of the loss, which {g.loss_type} "
                  "counts in its normalisation (the step shrinks by the informative fraction); or set "
                  "grpo.dynamic_sampling: false")
+        if g.weight_sync == "cuda_ipc" and g.engine.backend != "sse":
+            fail("grpo.weight_sync", "cuda_ipc hands the weights to this package's engine (grpo.engine.backend: sse); "
+                 "vLLM's engine runs in processes of its own: use object_store")
         for stage, engine in (("grpo", g.engine), ("eval", self.eval.engine)):
             if engine.residual_dtype is not None and engine.backend != "sse":
                 fail(f"{stage}.engine.residual_dtype", f"is an option of this package's engine (backend: sse); "

@@ -310,6 +310,11 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
     init_ray(recipe, address)
     where = placement(recipe)
     logger.info("ray resources %s; placement %s", ray.cluster_resources(), where)
+    if "grpo" in stages and stage_runs(recipe, "grpo") and recipe.grpo.weight_sync == "cuda_ipc" \
+            and not where["grpo"].colocated:  # refused before any stage runs
+        raise RecipeError(f"grpo.weight_sync: cuda_ipc opens the trainer's GPU memory in engines on the same GPU "
+                          f"(grpo.placement colocated); this run places them {where['grpo'].mode}: use broadcast "
+                          "for engines on GPUs of their own, object_store on CPU")
     # a local path or a stored URI (never a Path: "s3://")
     current = str(checkpoint) if checkpoint else starting_model(recipe, out, stages)
     started = time.time()

@@ -273,6 +273,20 @@ def test_values_that_cannot_work_are_refused_when_the_recipe_loads(override, key
         load_recipe("demo", [override])
 
 
+def test_cuda_ipc_weight_sync_is_refused_for_vllm_and_for_engines_off_the_trainers_gpu(tmp_path):
+    """CUDA IPC hands tensors to our engine on the trainer's GPU: vLLM's engine core (another process) would be
+    given handles it never opens, and engines elsewhere (here: on CPU) cannot open them; both refused before any
+    stage runs."""
+    with pytest.raises(RecipeError, match="grpo.weight_sync: cuda_ipc .*object_store"):
+        load_recipe("demo", ["grpo.weight_sync=cuda_ipc", "grpo.engine.backend=vllm"])
+    from pipeline.run import run_recipe
+
+    recipe = load_recipe("demo", ["grpo.weight_sync=cuda_ipc", f"output_dir={tmp_path}", "device=cpu"])
+    with pytest.raises(RecipeError, match="cuda_ipc .*colocated.*places them cpu"):
+        run_recipe(recipe)
+    assert not (tmp_path / "distill").exists()
+
+
 def test_a_residual_dtype_for_vllm_is_refused():
     """``engine.residual_dtype`` is our engine's option; vLLM would take it and run as before without a word."""
     for stage in ("grpo", "eval"):

@@ -522,6 +522,30 @@ def test_fleet_broadcasts_weights_over_a_process_group(model, tokenizer, caplog)
         ray.shutdown()
 
 
+def test_cuda_ipc_sync_falls_back_to_the_object_store_where_it_cannot_share(model, tokenizer, caplog):
+    """weight_sync="cuda_ipc" with weights that are not on a GPU (here: a CPU trainer): the sync goes through the
+    object store with a warning, the engines get the weights, and later syncs do not try CUDA IPC again. (The CUDA
+    path itself: tests/gpu/test_pipeline_gpu.py::test_cuda_ipc_weight_sync.)"""
+    ray = pytest.importorskip("ray")
+    from pipeline.rollout.actor import EngineFleet
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(model, tokenizer, num_engines=1, max_slots=4, max_model_len=96, weight_sync="cuda_ipc")
+        torch.manual_seed(9)
+        policy = SSEForCausalLM(model.config)
+        assert fleet.update_weights(policy.state_dict()) == [1]
+        assert "weight sync by CUDA IPC failed" in caplog.text and "needs the weights on a GPU" in caplog.text
+        assert fleet.weight_sync == "object_store"
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        reference = make_engine(copy.deepcopy(policy), tokenizer)
+        assert [o.outputs[0].token_ids for o in fleet.generate(PROMPTS, greedy)] == \
+            [o.outputs[0].token_ids for o in reference.generate(PROMPTS, greedy)]
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
+
+
 def test_engine_from_checkpoint_directory(model, tokenizer, tmp_path):
     """A checkpoint path loads on the accelerator when there is one (the Ray actors of GRPO build their
     engines this way), in the dtype asked for, and generates like the model it was saved from."""

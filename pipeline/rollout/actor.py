@@ -41,6 +41,15 @@ class RolloutWorker:
         self.engine.update_weights(weights, version)
         return self.engine.weights_version
 
+    def open_weights(self, shared: list, version: int) -> int:
+        """Copies the weights from the trainer's GPU buckets (:func:`pipeline.rollout.weight_sync.share`); returns
+        once the copies are done, so that the trainer may free its buckets."""
+        from .weight_sync import opened
+
+        self.engine.update_weights(opened(shared), version)
+        torch.cuda.synchronize()
+        return self.engine.weights_version
+
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         from .weight_sync import process_group
 
@@ -79,9 +88,11 @@ class EngineFleet:
     of a request stay on one engine, where they share its prefill), results come back in order.
 
     Weights travel through Ray's object store (``weight_sync="object_store"``: put once, every engine loads
-    them; works wherever the engines are, including on the trainer's own GPU) or are broadcast over a process
-    group of the trainer and the engines (``"nccl"`` for engines on GPUs of their own, ``"gloo"`` on CPU; see
-    :mod:`pipeline.rollout.weight_sync`).
+    them; works wherever the engines are, including on the trainer's own GPU), are broadcast over a process
+    group of the trainer and the engines (``"nccl"`` for engines on GPUs of their own, ``"gloo"`` on CPU), or,
+    for engines on the trainer's GPU, are opened by them in the trainer's memory (``"cuda_ipc"``); see
+    :mod:`pipeline.rollout.weight_sync`. A sync that fails by broadcast or CUDA IPC goes through the object store
+    (CUDA IPC, failed but for a dead engine, is not tried again).
 
     An engine whose actor dies (its process killed, its node lost) is replaced by a new actor built from the
     same arguments, given the latest synced weights, and its share of the call is submitted again; sampling is
@@ -94,8 +105,8 @@ class EngineFleet:
                  max_restarts: int = 3, weight_sync: str = "object_store", **engine_kwargs):
         """``placement_group`` / ``bundles``: the group reserved for the stage and each engine's bundle in it
         (:mod:`pipeline.placement`); a replacement takes its predecessor's bundle."""
-        if weight_sync not in ("object_store", "nccl", "gloo"):
-            raise ValueError(f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {weight_sync!r}")
+        if weight_sync not in ("object_store", "nccl", "gloo", "cuda_ipc"):
+            raise ValueError(f"weight_sync must be 'object_store', 'nccl', 'gloo' or 'cuda_ipc', got {weight_sync!r}")
         self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None)(RolloutWorker)
         self._group_of, self._bundles = placement_group, bundles
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
@@ -157,7 +168,14 @@ class EngineFleet:
     def update_weights(self, state_dict) -> list[int]:
         """Brings every engine to ``state_dict`` (the next version); returns the engines' versions."""
         self._version += 1
-        if self.weight_sync != "object_store":
+        if self.weight_sync == "cuda_ipc":
+            try:
+                return self._share(state_dict)
+            except (RuntimeError, ray.exceptions.RayError) as error:
+                if not isinstance(error, ray.exceptions.RayActorError):
+                    self.weight_sync = "object_store"
+                logger.warning("weight sync by CUDA IPC failed (%s); this sync goes through the object store", error)
+        elif self.weight_sync != "object_store":
             try:
                 return self._broadcast(state_dict)
             except (RuntimeError, ray.exceptions.RayError) as error:  # a member died mid-sync
@@ -174,6 +192,17 @@ class EngineFleet:
             except ray.exceptions.RayActorError as error:  # the replacement is given these weights
                 self._replace(i, error)
                 versions.append(self._version)
+        return versions
+
+    def _share(self, state_dict) -> list[int]:
+        from .weight_sync import share
+
+        if self._dtypes is None:
+            self._dtypes = ray.get(self.workers[0].weight_dtypes.remote())
+        self._weights, self._source = None, state_dict  # (a replacement engine gets them by the object store)
+        buckets, shared = share(state_dict, self._dtypes)
+        versions = ray.get([w.open_weights.remote(shared, self._version) for w in self.workers])
+        del buckets  # every engine has copied them
         return versions
 
     def _broadcast(self, state_dict) -> list[int]:

@@ -1,11 +1,14 @@
-"""Weights from the trainer to the rollout engines over a collective: NCCL between GPUs, gloo on CPU.
+"""Weights from the trainer to the rollout engines over a collective (NCCL between GPUs, gloo on CPU), or by CUDA
+IPC to engines on the trainer's own GPU.
 
 The trainer is rank 0 of a process group of its own with the engines (ranks 1..n), built on a TCP store
 rather than ``init_process_group``, so it never touches the default group a data-parallel trainer uses. A
 sync broadcasts the weights in the engines' dtype, packed into a few flat buckets (one collective per ~256 MB
 instead of one per tensor), and each engine copies them into its parameters: no trip through Ray's object
-store or the disk. NCCL needs each rank on its own GPU, so engines that share the trainer's GPU keep the
-object-store path (``pipeline.rollout.actor.EngineFleet``).
+store or the disk. NCCL needs each rank on its own GPU; engines that share the trainer's GPU take the weights
+through the object store (a copy to the host and back) or, with :func:`share`, straight from the trainer's memory:
+the trainer packs them into flat buckets on its GPU and sends CUDA IPC handles, which each engine opens and copies
+from on the device (``pipeline.rollout.actor.EngineFleet``).
 """
 
 from __future__ import annotations
@@ -75,5 +78,37 @@ def receive(group, layout: Layout, device: torch.device):
         numels = [torch.Size(shape).numel() for _, shape in bucket]
         flat = torch.empty(sum(numels), dtype=layout.dtype, device=device)
         _broadcast(group, flat)
+        for (name, shape), part in zip(bucket, flat.split(numels)):
+            yield name, part.view(shape)
+
+
+def share(state_dict: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> tuple[list[torch.Tensor], list]:
+    """CUDA IPC: the weights cast to the dtypes the engines keep them in (``dtypes``; the weight's own otherwise),
+    packed into flat buckets on the trainer's GPU. Returns the buckets, which the trainer keeps until every engine
+    has copied them, and what an engine opens them with (:func:`opened`): per bucket its ``(name, shape)`` list,
+    dtype and IPC handle (``torch.multiprocessing``'s reduction of a CUDA tensor, picklable)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+    for name, tensor in state_dict.items():
+        if tensor.device.type != "cuda":
+            raise RuntimeError(f"CUDA IPC needs the weights on a GPU; {name} is on {tensor.device}")
+        by_dtype.setdefault(dtypes.get(name, tensor.dtype), {})[name] = tensor
+    buckets, shared = [], []
+    with torch.no_grad():
+        for dtype, part in by_dtype.items():
+            for bucket in Layout.of(part, dtype).buckets:
+                flat = torch.cat([part[name].detach().to(dtype).reshape(-1) for name, _ in bucket])
+                buckets.append(flat)
+                shared.append((bucket, reduce_tensor(flat)))
+    torch.cuda.current_stream().synchronize()  # the buckets are written before any engine reads them
+    return buckets, shared
+
+
+def opened(shared: list):
+    """An engine's side of :func:`share`: yields ``(name, tensor)``, views of the trainer's buckets."""
+    for bucket, (rebuild, args) in shared:
+        flat = rebuild(*args)
+        numels = [torch.Size(shape).numel() for _, shape in bucket]
         for (name, shape), part in zip(bucket, flat.split(numels)):
             yield name, part.view(shape)

@@ -56,3 +56,42 @@ def test_gpu_recipe_with_vllm_engines(tmp_path):
     assert engines and all(e["backend"] == "vllm" for e in engines)
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())["benchmarks"]
     assert set(summary) == {"word_problems", "gsm8k"}
+
+
+def test_cuda_ipc_weight_sync(caplog):
+    """``weight_sync="cuda_ipc"``: an engine on the trainer's GPU (half of it, as colocated GRPO places it) opens the
+    float32 policy's weights, cast to its bf16, in the trainer's memory; its greedy tokens are those of an engine
+    given the same weights directly, after each of two syncs, and no sync fell back to the object store."""
+    ray = pytest.importorskip("ray")
+    import copy
+
+    import torch
+
+    import kernels
+    from pipeline.rollout import Engine, SamplingParams
+    from pipeline.rollout.actor import EngineFleet
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    kernels.register()
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=512, hidden_size=512, num_heads=4, head_dim=128,
+                                   num_attention_heads=4, intermediate_size=1024)
+    torch.manual_seed(0)
+    start = SSEForCausalLM(config)
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(start, None, num_engines=1, num_gpus=0.5, weight_sync="cuda_ipc", max_slots=4,
+                            max_model_len=128, device="cuda", dtype=torch.bfloat16, sleep_between_calls=True)
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompts = [[1, 2, 3, 4], list(range(5, 40))]
+        for version, seed in ((1, 1), (2, 2)):
+            torch.manual_seed(seed)
+            policy = SSEForCausalLM(config).cuda()  # float32 masters on the trainer's GPU
+            assert fleet.update_weights(policy.state_dict()) == [version]
+            reference = Engine(copy.deepcopy(policy), None, max_slots=4, max_model_len=128, dtype=torch.bfloat16)
+            assert [o.outputs[0].token_ids for o in fleet.generate(prompts, greedy)] == \
+                [o.outputs[0].token_ids for o in reference.generate(prompts, greedy)]
+            del reference
+        assert fleet.weight_sync == "cuda_ipc" and "CUDA IPC failed" not in caplog.text
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
