@@ -168,7 +168,8 @@ def default_memory_budget(device: torch.device) -> int:
 class Engine:
     """``Engine(model or path, ...)``; ``generate(prompts, SamplingParams(...))`` like vLLM's ``LLM``.
 
-    ``memory_budget`` (bytes) holds ``max_slots`` slots (default: up to 256, as many as the budget holds for
+    ``memory_budget`` (bytes; default: 90% of the GPU memory free when the engine starts, and again at each wake
+    after :meth:`sleep`) holds ``max_slots`` slots (default: up to 256, as many as the budget holds for
     sequences a quarter of ``max_model_len`` long, besides one of full length) and, in the rest, the KV blocks
     of ``block_size`` tokens.
     ``num_blocks`` overrides what the budget holds. ``prefill_chunk_size`` is the number of prompt tokens
