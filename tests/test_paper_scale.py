@@ -78,6 +78,35 @@ def test_a_benchmarked_model_is_freed_before_the_next_is_built():
             gc.enable()
 
 
+def test_the_memory_peak_is_found_in_the_allocator_trace_and_charged_to_project_lines():
+    """A synthetic trace of the allocator's events: the peak is the highest running total (frees of memory held
+    from before the trace count), and what is alive then is summed by the innermost frame of this project."""
+    from pipeline.bench.memory_peak import peak, peak_table
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    torch_frame = frame("/venv/torch/nn/functional.py", 10, "linear")
+    h = [torch_frame, frame("/repo/kernels/sse_chunk.py", 540, "_forward"), frame("/repo/pipeline/bench/x.py", 1, "s")]
+    dh = [frame("/repo/kernels/sse_chunk.py", 585, "_backward")]
+    other = [torch_frame]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": h},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": other},
+        {"action": "free_completed", "addr": 2, "size": 50},
+        {"action": "free_completed", "addr": 99, "size": 30},  # held from before the trace
+        {"action": "alloc", "addr": 3, "size": 60, "frames": dh},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": h},  # the peak: 100 - 30 + 60 + 40 = 170
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 5, "size": 20, "frames": other},
+    ]
+    found = peak({"device_traces": [events]}, start_bytes=1000)
+    assert found["peak_bytes"] == 1170 and found["before_bytes"] == 970
+    assert found["live"] == [("kernels/sse_chunk.py:540 (_forward)", 140, 2), ("kernels/sse_chunk.py:585 (_backward)", 60, 1)]
+    assert "`kernels/sse_chunk.py:540 (_forward)` | 0.000 | 2" in peak_table(found)
+    assert peak(None) is None and "no CUDA" in peak_table(None)
+
+
 def test_the_dry_run_keeps_the_recipes_lengths_and_micro_batches():
     """DRY_RUN shrinks counts only: 32k rows and rollouts, the recipe's micro-batches of 2 rows, a mini-batch per
     optimizer step, and exactly one generation batch trained on in full."""

@@ -2,6 +2,7 @@
 
     python -m pipeline.bench.train_at_length                       # sse-h-2b, transformer-2b; 8k, 16k, 32k (GPU)
     python -m pipeline.bench.train_at_length --lengths 300 32768 --attention varlen per-sequence
+    python -m pipeline.bench.train_at_length --lengths 32768 --trace-memory   # what is alive at each peak
     python -m pipeline.bench.train_at_length --models sse-h-tiny --tokens 256 --lengths 64 256 --device cpu
 
 One optimizer step is what ``recipes/paper-2b``'s distillation does per step, on random weights: ``--accumulation``
@@ -75,8 +76,10 @@ def optimizer_step(model, optimizer, batches: list[dict], balance: list, autocas
     return total
 
 
-def measure(model, tokens: int, length: int, accumulation: int, steps: int, device: torch.device) -> dict:
-    """Times ``steps + 1`` optimizer steps of ``model`` (prepared with :func:`prepare`) on fresh random rows."""
+def measure(model, tokens: int, length: int, accumulation: int, steps: int, device: torch.device,
+            trace_memory: bool = False) -> dict:
+    """Times ``steps + 1`` optimizer steps of ``model`` (prepared with :func:`prepare`) on fresh random rows; with
+    ``trace_memory`` one more step under the allocator trace (:mod:`pipeline.bench.memory_peak`), untimed."""
     cuda = device.type == "cuda"
     balance = prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda)
@@ -100,8 +103,16 @@ def measure(model, tokens: int, length: int, accumulation: int, steps: int, devi
         times.append(time.perf_counter() - start)
     median = sorted(times[1:])[len(times[1:]) // 2] if steps else times[0]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    found = None
+    if trace_memory:
+        from .memory_peak import MemoryTrace, peak as traced_peak
+
+        batches = packed_rows(tokens, length, accumulation, model.config.vocab_size, device)
+        with MemoryTrace() as trace:
+            optimizer_step(model, optimizer, batches, balance, autocast)
+        found = traced_peak(trace.snapshot, trace.start_bytes)
     return dict(tokens_per_s=tokens * accumulation / median, step_s=median, first_s=times[0], peak_gib=peak,
-                losses=losses)
+                losses=losses, memory=found)
 
 
 def main(argv=None) -> None:
@@ -113,6 +124,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps after the first")
     parser.add_argument("--attention", nargs="+", default=["varlen"], help="varlen, per-sequence (softmax layers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="after the timed steps, one traced step: what is alive at its peak, by source line")
     args = parser.parse_args(argv)
     from kernels.bench.bench_packed import attention_path
     from sse_model import SSEConfig, SSEForCausalLM
@@ -131,11 +144,13 @@ def main(argv=None) -> None:
                 model = SSEForCausalLM(config).to(device)
                 try:
                     with attention_path(path):
-                        r = measure(model, args.tokens, length, args.accumulation, args.steps, device)
+                        r = measure(model, args.tokens, length, args.accumulation, args.steps, device,
+                                    args.trace_memory)
                 except torch.OutOfMemoryError:
                     r = None
                 rows.append((path, length, name, r, set(config.mixer_types) == {"attn"}))
-                print(path, length, name, r and {k: v for k, v in r.items() if k != "losses"}, flush=True)
+                print(path, length, name, r and {k: v for k, v in r.items() if k not in ("losses", "memory")},
+                      flush=True)
                 del model
                 release(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
@@ -151,6 +166,13 @@ def main(argv=None) -> None:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
         print(f"| {path} | {length:,} | {name} | {r['tokens_per_s']:,.0f} | {ratio} | {r['step_s']:.2f} | "
               f"{r['first_s']:.1f} | {r['peak_gib']:.1f} |")
+    if args.trace_memory:
+        from .memory_peak import peak_table
+
+        for path, length, name, r, _ in rows:
+            if r is not None:
+                print(f"\n#### What is alive at the peak of a traced step: {name}, {path}, {length:,}\n")
+                print(peak_table(r["memory"]))
 
 
 if __name__ == "__main__":
