@@ -33,8 +33,9 @@ def unpacked(gguf_file: Path) -> Path:
     """A GGUF file as a transformers folder (float32 safetensors, config, tokenizer), written once into the cache.
     transformers parses and dequantises a GGUF at every load, and a run loads its source several times
     (conversion, teacher, tokenizers, the evaluation's initial model: three parses, ~30 s, in SmolLM2-135M's run
-    on the GPU machine); a folder of safetensors loads without either. Named by the file's path, size and modification time, so a replaced file is
-    unpacked again; written under a temporary name and renamed, so a reader never sees half of it."""
+    on the GPU machine); a folder of safetensors loads without either. Named by the file's path, size and
+    modification time, so a replaced file is unpacked again; written under a temporary name and renamed, so a
+    reader never sees half of it."""
     import hashlib
     import shutil
     import tempfile

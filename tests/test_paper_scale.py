@@ -102,7 +102,8 @@ def test_the_memory_peak_is_found_in_the_allocator_trace_and_charged_to_project_
     ]
     found = peak({"device_traces": [events]}, start_bytes=1000)
     assert found["peak_bytes"] == 1170 and found["before_bytes"] == 970
-    assert found["live"] == [("kernels/sse_chunk.py:540 (_forward)", 140, 2), ("kernels/sse_chunk.py:585 (_backward)", 60, 1)]
+    assert found["live"] == [("kernels/sse_chunk.py:540 (_forward)", 140, 2),
+                             ("kernels/sse_chunk.py:585 (_backward)", 60, 1)]
     assert "`kernels/sse_chunk.py:540 (_forward)` | 0.000 | 2" in peak_table(found)
     assert peak(None) is None and "no CUDA" in peak_table(None)
 

@@ -94,5 +94,6 @@ def peak_table(found: dict | None, top: int = 12) -> str:
     lines += [f"| `{w}` | {b / gib:.3f} | {n} |" for w, b, n in found["live"][:top]]
     rest = found["live"][top:]
     if rest:
-        lines.append(f"| {len(rest)} other places | {sum(b for _, b, _ in rest) / gib:.3f} | {sum(n for *_, n in rest)} |")
+        lines.append(f"| {len(rest)} other places | {sum(b for _, b, _ in rest) / gib:.3f} | "
+                     f"{sum(n for *_, n in rest)} |")
     return "\n".join(lines)
