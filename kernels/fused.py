@@ -7,7 +7,9 @@ At training shapes these stages cost more than their matrix products: the PyTorc
   and the gated per-head output norm of GLA and SSE layers); float32 statistics, the weight gradient
   reduced per program and summed once;
 - ``sse_features_triton``: the SSE layer's two sides from its projections: the LoRA add, the q and k feature
-  maps (identity, silu, softmax over the head dim) and the log-sigmoid decays, six outputs in one pass.
+  maps (identity, silu, softmax over the head dim) and the log-sigmoid decays, six outputs in one pass;
+  ``sse_low_rank_features_triton`` the same from the LoRA and gate maps' rank-r inputs (training: autograd keeps
+  those instead of the four full-width products);
 
 Both treat their inputs as rows of the last dim; rows must fit one tile (up to 16k elements).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -284,37 +287,89 @@ def _token_rows(x: torch.Tensor, dims: int = 2) -> tuple[torch.Tensor, int]:
     return x.contiguous(), width
 
 
+def _features_forward(q, q_lora, k, k_lora, gk0, gk1, options):
+    """The six outputs of ``_features_fwd``, and what its backward reads (``ins``, the token strides)."""
+    lora_shared, qact, kact, normalizer = options
+    H, K = q.shape[-2:]
+    (q, sq), (k, sk) = _token_rows(q), _token_rows(k)
+    ins = [q, q_lora.contiguous(), k, k_lora.contiguous(), gk0.contiguous(), gk1.contiguous()]
+    M = q.numel() // K
+    outs = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, q, k, k, ins[4], ins[5])]
+    BK = max(16, triton.next_power_of_2(K))
+    BM = _rows_per_program(BK, M)
+    _features_fwd[(triton.cdiv(M, BM),)](*ins, *outs, M, K, H, sq, sk, 1.0 / normalizer,
+                                         LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+    q0, q1, k0, k1, g0, g1 = outs
+    return (q0, k0, g0, q1, k1, g1), ins, (sq, sk)
+
+
+def _features_backward(ins, strides, options, dq0, dk0, dg0, dq1, dk1, dg1):
+    """The gradients of ``_features_forward``'s six inputs from those of its outputs (None: zero)."""
+    lora_shared, qact, kact, normalizer = options
+    H, K = ins[0].shape[-2:]
+    M = ins[0].numel() // K
+    grads_in = [torch.zeros(ins[i].shape, device=ins[i].device, dtype=ins[i].dtype) if d is None else d.contiguous()
+                for d, i in ((dq0, 0), (dq1, 0), (dk0, 2), (dk1, 2), (dg0, 4), (dg1, 5))]
+    grads = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in ins]
+    BK = max(16, triton.next_power_of_2(K))
+    BM = _rows_per_program(BK)
+    _features_bwd[(triton.cdiv(M, BM),)](*ins, *grads_in, *grads, M, K, H, *strides, 1.0 / normalizer,
+                                         LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+    return grads
+
+
 class _Features(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, q_lora, k, k_lora, gk0, gk1, lora_shared, qact, kact, normalizer):
-        H, K = q.shape[-2:]
-        (q, sq), (k, sk) = _token_rows(q), _token_rows(k)
-        ins = [q, q_lora.contiguous(), k, k_lora.contiguous(), gk0.contiguous(), gk1.contiguous()]
-        M = q.numel() // K
-        outs = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, q, k, k, ins[4], ins[5])]
-        BK = max(16, triton.next_power_of_2(K))
-        BM = _rows_per_program(BK, M)
-        _features_fwd[(triton.cdiv(M, BM),)](*ins, *outs, M, K, H, sq, sk, 1.0 / normalizer,
-                                             LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
+        ctx.options = (lora_shared, qact, kact, normalizer)
+        outs, ins, ctx.strides = _features_forward(q, q_lora, k, k_lora, gk0, gk1, ctx.options)
         ctx.save_for_backward(*ins)
-        ctx.options = (lora_shared, qact, kact, normalizer, sq, sk)
-        q0, q1, k0, k1, g0, g1 = outs
-        return q0, k0, g0, q1, k1, g1
+        return outs
 
     @staticmethod
-    def backward(ctx, dq0, dk0, dg0, dq1, dk1, dg1):
-        ins = ctx.saved_tensors
-        lora_shared, qact, kact, normalizer, sq, sk = ctx.options
-        H, K = ins[0].shape[-2:]
-        M = ins[0].numel() // K
-        grads_in = [torch.zeros(ins[i].shape, device=ins[i].device, dtype=ins[i].dtype) if d is None else d.contiguous()
-                    for d, i in ((dq0, 0), (dq1, 0), (dk0, 2), (dk1, 2), (dg0, 4), (dg1, 5))]
-        grads = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in ins]
-        BK = max(16, triton.next_power_of_2(K))
-        BM = _rows_per_program(BK)
-        _features_bwd[(triton.cdiv(M, BM),)](*ins, *grads_in, *grads, M, K, H, sq, sk, 1.0 / normalizer,
-                                             LORA_SHARED=lora_shared, QACT=qact, KACT=kact, BK=BK, BM=BM, num_warps=4)
-        return (*grads, None, None, None, None)
+    def backward(ctx, *douts):
+        return (*_features_backward(ctx.saved_tensors, ctx.strides, ctx.options, *douts), None, None, None, None)
+
+
+class _LowRankFeatures(torch.autograd.Function):
+    """:class:`_Features` from the rank-r inputs of the LoRA and gate maps' second halves: the four full-width
+    products are made in the forward and again in the backward, so autograd keeps ``[..., r]`` inputs instead
+    of four ``[..., H, K]`` outputs (at 32k tokens of the 2B shape, 0.56 GiB less in an SSE layer's backward).
+    The products run in the inputs' dtype (autocast's: the weights cast as autocast would)."""
+
+    @staticmethod
+    def forward(ctx, q, k, lq, lk, lg0, lg1, wq, wk, wg0, wg1, bq, bk, bg0, bg1, lora_shared, qact, kact, normalizer):
+        ctx.options = (lora_shared, qact, kact, normalizer)
+        low, weights, biases = (lq, lk, lg0, lg1), (wq, wk, wg0, wg1), (bq, bk, bg0, bg1)
+        ups = _low_rank_products(q.shape[-2:], low, weights, biases)
+        outs, ins, ctx.strides = _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], ctx.options)
+        ctx.save_for_backward(q, k, *low, *weights, *biases)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *douts):
+        q, k, *rest = ctx.saved_tensors
+        low, weights, biases = rest[:4], rest[4:8], rest[8:]
+        ups = _low_rank_products(q.shape[-2:], low, weights, biases)
+        ins = [_token_rows(q)[0], ups[0], _token_rows(k)[0], ups[1], ups[2], ups[3]]
+        dq, dq_lora, dk, dk_lora, dg0, dg1 = _features_backward(ins, ctx.strides, ctx.options, *douts)
+        del ins, ups
+        wanted = ctx.needs_input_grad  # frozen maps (alignment of new parts only) skip their weights' products
+        dlow, dweights, dbiases = [], [], []
+        for i, (x, w, b, dy) in enumerate(zip(low, weights, biases, (dq_lora, dk_lora, dg0, dg1))):
+            dy = dy.reshape(-1, dy.shape[-2] * dy.shape[-1])
+            dlow.append((dy @ w.to(dy.dtype)).view(x.shape) if wanted[2 + i] else None)
+            dweights.append((dy.t() @ x.reshape(-1, x.shape[-1])).to(w.dtype) if wanted[6 + i] else None)
+            dbiases.append(dy.sum(0, dtype=torch.float32).to(b.dtype) if b is not None and wanted[10 + i] else None)
+        return (dq, dk, *dlow, *dweights, *dbiases, None, None, None, None)
+
+
+def _low_rank_products(head_shape, low, weights, biases) -> list[torch.Tensor]:
+    """``x @ w^T + b`` for each rank-r input, in its dtype (the same in the forward and, where autocast is off,
+    the backward), as ``[..., H, K]``."""
+    with torch.autocast(low[0].device.type, enabled=False):
+        return [F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype)).unflatten(-1, tuple(head_shape))
+                for x, w, b in zip(low, weights, biases)]
 
 
 def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side: str, q_activation: str,
@@ -328,6 +383,22 @@ def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side
         return None
     return _Features.apply(q, q_lora, k, k_lora, gk_shared, gk_sparse, lora_side == "shared",
                            ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)
+
+
+def sse_low_rank_features_triton(q, k, low, up, *, lora_side: str, q_activation: str, k_activation: str,
+                                 normalizer: float):
+    """Drop-in for :func:`sse_model.ops.fused.sse_low_rank_features` (:class:`_LowRankFeatures`); None
+    declines (float64, inputs of several dtypes, shapes that differ)."""
+    (wq, bq), (wk, bk), (wg0, bg0), (wg1, bg1) = up
+    if q.dtype == torch.float64 or q.shape != k.shape or len({x.dtype for x in (q, k, *low)}) != 1:
+        return None
+    if any(w.shape[0] != q.shape[-2] * q.shape[-1] for w in (wq, wk, wg0, wg1)):
+        return None
+    if q.shape[-1] > MAX_ROW:
+        note_declined("fused sse_low_rank_features", f"head size {q.shape[-1]} > {MAX_ROW}")
+        return None
+    return _LowRankFeatures.apply(q, k, *low, wq, wk, wg0, wg1, bq, bk, bg0, bg1, lora_side == "shared",
+                                  ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)
 
 
 # ----------------------------------------------------------------------------------------------------------

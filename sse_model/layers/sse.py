@@ -22,7 +22,7 @@ from ..cache import LinearLayerState
 from ..modules import GatedRMSNorm, Linear, RMSNorm, ShortConvolution, project, row_topk_softmax
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
-from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_decode_features, sse_features
+from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_decode_features, sse_low_rank_features
 from ..ops.sse import Branch, Routing, SSEOptions
 from .common import ForwardContext, zero_padding
 from .linear import gdn_gates, init_gdn_decay, output_projection
@@ -142,13 +142,12 @@ class SSEAttention(nn.Module):
         if self.fused_features:
             options = dict(lora_side=cfg.lora_side, q_activation=cfg.q_activation,
                            k_activation=cfg.key_activation("gla"), normalizer=cfg.gate_logit_normalizer)
-            if pool is not None:  # a decode step: the low-rank maps' second halves in the same pass
-                ups = [(m.weight, m.bias) for m in self.low_rank_outputs()]
+            ups = [(m.weight, m.bias) for m in self.low_rank_outputs()]  # the low-rank maps' second halves
+            if pool is not None:  # a decode step: with the value's feature map in the same pass
                 *features, v = sse_decode_features(heads(q, K), heads(k, K), heads(v, V), low, ups,
                                                    v_activation=cfg.v_activation, **options)
-            else:  # one pass: the LoRA add, both feature maps, both log-decays
-                lora_q, lora_k, gk_shared, gk_sparse = (heads(m(t), K) for m, t in zip(self.low_rank_outputs(), low))
-                features = sse_features(heads(q, K), lora_q, heads(k, K), lora_k, gk_shared, gk_sparse, **options)
+            else:  # the LoRA add, both feature maps, both log-decays; the backward keeps the rank-r inputs
+                features = sse_low_rank_features(heads(q, K), heads(k, K), low, ups, **options)
                 v = feature_map(heads(v, V), cfg.v_activation)
             q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = features
             beta_shared = beta_sparse = None

@@ -58,7 +58,7 @@ class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
-    ``rms_norm``, ``silu_mul``, ``sse_features`` and ``sse_decode_features`` the fused stages of
+    ``rms_norm``, ``silu_mul``, ``sse_features``, ``sse_low_rank_features`` and ``sse_decode_features`` the fused stages of
     :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
 
     name: str
@@ -71,6 +71,7 @@ class Backend:
     rms_norm: Callable | None = None
     silu_mul: Callable | None = None
     sse_features: Callable | None = None
+    sse_low_rank_features: Callable | None = None
     sse_decode_features: Callable | None = None
     linear: Callable | None = None
 
@@ -271,6 +272,17 @@ def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options):
     return fused.sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options)
 
 
+def sse_low_rank_features(q, k, low, up, **options):
+    """The SSE layer's feature prologue from its low-rank inputs through the dispatch point; see
+    :func:`sse_model.ops.fused.sse_low_rank_features`."""
+    backend = active_backend(q)
+    if backend is not None and backend.sse_low_rank_features is not None:
+        out = backend.sse_low_rank_features(q, k, low, up, **options)
+        if out is not None:
+            return out
+    return fused.sse_low_rank_features(q, k, low, up, **options)
+
+
 def sse_decode_features(q, k, v, low, up, **options):
     """A decode step's SSE prologue through the dispatch point; see :func:`sse_model.ops.fused.sse_decode_features`."""
     backend = active_backend(q)
@@ -300,5 +312,6 @@ __all__ = [
     "sse_decode",
     "sse_decode_features",
     "sse_features",
+    "sse_low_rank_features",
     "torch_linear_op",
 ]

@@ -57,15 +57,23 @@ def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side: str, 
     return q_sh, k_sh, g_sh, q_sp, k_sp, g_sp
 
 
-def sse_decode_features(q, k, v, low, up, *, lora_side: str, q_activation: str, k_activation: str,
-                        v_activation: str, normalizer: float):
-    """A decode step's SSE (GLA transition) inputs from the layer's first product: the second halves of its
-    low-rank maps applied (``low``: the rank-r inputs of the LoRA q, LoRA k and both gates, ``[..., r]``;
-    ``up``: their ``(weight, bias)``), then :func:`sse_features`, and the value's feature map. ``q, k:
-    [..., H, K]``, ``v: [..., H, V]``. Returns ``(q, k, g)`` of the shared side, of the sparse side, then
-    ``v``. One fused pass replaces four narrow products and two elementwise kernels per layer and step."""
+def sse_low_rank_features(q, k, low, up, *, lora_side: str, q_activation: str, k_activation: str,
+                          normalizer: float):
+    """:func:`sse_features` from the layer's first product: the second halves of its low-rank maps applied
+    first (``low``: the rank-r inputs of the LoRA q, LoRA k and both gates, ``[..., r]``; ``up``: their
+    ``(weight, bias)``). ``q, k: [..., H, K]``. Where a backend fuses it, training keeps the rank-r inputs for
+    the backward instead of four full-width products."""
     H, K = q.shape[-2:]
     lora_q, lora_k, gk_shared, gk_sparse = (F.linear(x, w, b).unflatten(-1, (H, K)) for x, (w, b) in zip(low, up))
-    features = sse_features(q, lora_q, k, lora_k, gk_shared, gk_sparse, lora_side=lora_side,
-                            q_activation=q_activation, k_activation=k_activation, normalizer=normalizer)
+    return sse_features(q, lora_q, k, lora_k, gk_shared, gk_sparse, lora_side=lora_side, q_activation=q_activation,
+                        k_activation=k_activation, normalizer=normalizer)
+
+
+def sse_decode_features(q, k, v, low, up, *, lora_side: str, q_activation: str, k_activation: str,
+                        v_activation: str, normalizer: float):
+    """A decode step's SSE (GLA transition) inputs from the layer's first product: :func:`sse_low_rank_features`
+    and the value's feature map. ``v: [..., H, V]``. Returns ``(q, k, g)`` of the shared side, of the sparse side,
+    then ``v``. One fused pass replaces four narrow products and two elementwise kernels per layer and step."""
+    features = sse_low_rank_features(q, k, low, up, lora_side=lora_side, q_activation=q_activation,
+                                     k_activation=k_activation, normalizer=normalizer)
     return (*features, feature_map(v, v_activation))

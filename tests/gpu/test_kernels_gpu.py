@@ -272,6 +272,38 @@ def test_fused_sse_features_real_sizes():
     assert out_err < TOL[torch.bfloat16] and grad_err < TOL[torch.bfloat16]
 
 
+def test_fused_sse_low_rank_features_real_sizes():
+    """A 2B layer's training prologue (q, k and the rank-64 and rank-16 inputs as column slices of one bf16
+    product, float32 weights cast as autocast casts them) against the float32 reference: outputs and the
+    gradients of the product and of the weights and biases."""
+    from kernels.fused import sse_low_rank_features_triton
+    from sse_model.ops.fused import sse_low_rank_features
+
+    sizes = [H * D, H * D, H * D, 64, 64, 16, 16]
+    proj = torch.randn(4, 2048, sum(sizes), device="cuda", dtype=torch.bfloat16)
+    ups = [(torch.randn(H * D, r, device="cuda") / r**0.5, torch.randn(H * D, device="cuda") if gate else None)
+           for r, gate in ((64, False), (64, False), (16, True), (16, True))]
+    options = dict(lora_side="sparse", q_activation="silu", k_activation="softmax", normalizer=16.0)
+
+    def run(fn, upcast):
+        x = proj.detach().float().requires_grad_() if upcast else proj.detach().requires_grad_()
+        params = [tuple(None if t is None else t.detach().requires_grad_() for t in pair) for pair in ups]
+        q, k, _, *low = x.split(sizes, dim=-1)
+        outs = fn(q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), low, params, **options)
+        torch.manual_seed(1)
+        loss = sum((o.float() * torch.randn_like(o, dtype=torch.float32)).sum() for o in outs)
+        leaves = [x, *(t for pair in params for t in pair if t is not None)]
+        return outs, torch.autograd.grad(loss, leaves)
+
+    outs, grads = run(sse_low_rank_features_triton, False)
+    refs, ref_grads = run(sse_low_rank_features, True)
+    out_err = max(rel(a, b) for a, b in zip(outs, refs))
+    grad_err = max(rel(a, b) for a, b in zip(grads, ref_grads))
+    RESULTS.append(("fused low-rank features: worst output / grad", out_err, grad_err))
+    assert all(g.dtype == torch.float32 for g in grads[1:])
+    assert out_err < TOL[torch.bfloat16] and grad_err < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("rows", [8, 256])
 def test_fused_sse_decode_features_real_sizes(rows):
     """A 2B layer's decode prologue (ranks 64 and 16, q/k/v and the low-rank inputs as column slices of one
