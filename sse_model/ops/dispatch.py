@@ -58,8 +58,8 @@ class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
-    ``rms_norm``, ``silu_mul``, ``sse_features``, ``sse_low_rank_features`` and ``sse_decode_features`` the fused stages of
-    :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
+    ``rms_norm``, ``silu_mul``, ``sse_features``, ``sse_low_rank_features`` and ``sse_decode_features`` the
+    fused stages of :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]

@@ -250,6 +250,20 @@ def test_fused_rms_norm_real_sizes(D, gated):
     assert rel(out, ref) < TOL[torch.bfloat16] and err < TOL[torch.bfloat16]
 
 
+def errors_against_float32(run, kernel, reference):
+    """``run(fn, upcast) -> (outputs, leaves)`` for the kernel (bf16) and the float32 reference: the worst
+    relative error of the outputs and of the leaves' gradients under one random projection of the outputs,
+    and the kernel's gradients."""
+    results = []
+    for fn, upcast in ((kernel, False), (reference, True)):
+        outs, leaves = run(fn, upcast)
+        torch.manual_seed(1)
+        loss = sum((o.float() * torch.randn_like(o, dtype=torch.float32)).sum() for o in outs)
+        results.append((outs, torch.autograd.grad(loss, leaves)))
+    (outs, grads), (refs, ref_grads) = results
+    return (max(rel(a, b) for a, b in zip(outs, refs)), max(rel(a, b) for a, b in zip(grads, ref_grads)), grads)
+
+
 def test_fused_sse_features_real_sizes():
     from kernels.fused import sse_features_triton
     from sse_model.ops.fused import sse_features
@@ -259,15 +273,9 @@ def test_fused_sse_features_real_sizes():
 
     def run(fn, upcast):
         xs = [t.detach().float().requires_grad_() if upcast else t.detach().requires_grad_() for t in ins]
-        outs = fn(*xs, **options)
-        torch.manual_seed(1)
-        loss = sum((o.float() * torch.randn_like(o, dtype=torch.float32)).sum() for o in outs)
-        return outs, torch.autograd.grad(loss, xs)
+        return fn(*xs, **options), xs
 
-    outs, grads = run(sse_features_triton, False)
-    refs, ref_grads = run(sse_features, True)
-    out_err = max(rel(a, b) for a, b in zip(outs, refs))
-    grad_err = max(rel(a, b) for a, b in zip(grads, ref_grads))
+    out_err, grad_err, _ = errors_against_float32(run, sse_features_triton, sse_features)
     RESULTS.append(("fused sse_features: worst output / worst grad", out_err, grad_err))
     assert out_err < TOL[torch.bfloat16] and grad_err < TOL[torch.bfloat16]
 
@@ -290,15 +298,9 @@ def test_fused_sse_low_rank_features_real_sizes():
         params = [tuple(None if t is None else t.detach().requires_grad_() for t in pair) for pair in ups]
         q, k, _, *low = x.split(sizes, dim=-1)
         outs = fn(q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), low, params, **options)
-        torch.manual_seed(1)
-        loss = sum((o.float() * torch.randn_like(o, dtype=torch.float32)).sum() for o in outs)
-        leaves = [x, *(t for pair in params for t in pair if t is not None)]
-        return outs, torch.autograd.grad(loss, leaves)
+        return outs, [x, *(t for pair in params for t in pair if t is not None)]
 
-    outs, grads = run(sse_low_rank_features_triton, False)
-    refs, ref_grads = run(sse_low_rank_features, True)
-    out_err = max(rel(a, b) for a, b in zip(outs, refs))
-    grad_err = max(rel(a, b) for a, b in zip(grads, ref_grads))
+    out_err, grad_err, grads = errors_against_float32(run, sse_low_rank_features_triton, sse_low_rank_features)
     RESULTS.append(("fused low-rank features: worst output / grad", out_err, grad_err))
     assert all(g.dtype == torch.float32 for g in grads[1:])
     assert out_err < TOL[torch.bfloat16] and grad_err < TOL[torch.bfloat16]
