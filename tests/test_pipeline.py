@@ -78,7 +78,9 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     assert row["importance_sampling/logp_difference/mean"] < 1e-3  # the engine samples from the policy
     assert 0.99 < row["importance_sampling/ratio/mean"] < 1.01 and row["importance_sampling/corrected_fraction"] < 0.01
     engines = json.loads((tmp_path / "grpo" / "engines.json").read_text())
-    assert [e["device"] for e in engines] == ["cpu"] and engines[0]["weights_version"] == 0
+    assert [e["device"] for e in engines] == ["cpu"]
+    # the counters at the end of training (at the start both were 0)
+    assert engines[0]["weights_version"] > 0 and engines[0]["generated_tokens"] > 0
     _assert_ray_resources_released()
 
 

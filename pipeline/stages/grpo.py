@@ -352,6 +352,17 @@ def grpo_config(recipe: Recipe, out_dir: Path, device) -> SSEGRPOConfig:
     )
 
 
+def _write_engines(out_dir: Path, fleet) -> list[dict]:
+    """The engines' settings and counters (``engines.json``; ``engines-worker<rank>.json`` for the engines of
+    data-parallel worker ``rank``): written when they start, so a run that fails shows where they ran, and again
+    when training ends."""
+    engines = fleet.get_stats()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank = world()[0]  # each data-parallel worker owns its engines
+    (out_dir / ("engines.json" if rank == 0 else f"engines-worker{rank}.json")).write_text(json.dumps(engines, indent=1))
+    return engines
+
+
 def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> Path:
     """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory(path)`` builds the engine fleet."""
     out_dir = Path(out_dir)
@@ -369,10 +380,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     funcs, weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
     fleet = fleet_factory(start_from)
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
-        engines = fleet.get_stats()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        rank = world()[0]  # each data-parallel worker owns its engines
-        (out_dir / ("engines.json" if rank == 0 else f"engines-worker{rank}.json")).write_text(json.dumps(engines, indent=1))
+        engines = _write_engines(out_dir, fleet)
         logger.info("grpo: %d engine(s): %s", len(engines),
                     [{k: e[k] for k in ("device", "dtype", "max_slots")} for e in engines])
         if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
@@ -397,6 +405,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
             logger.info("grpo: resuming from %s", resume)
         with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        _write_engines(out_dir, fleet)  # again, with the run's totals (tokens, steps, preemptions, weight versions)
     finally:
         fleet.shutdown()
         verifier.close()
