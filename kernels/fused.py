@@ -340,7 +340,11 @@ class _LowRankFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, lq, lk, lg0, lg1, wq, wk, wg0, wg1, bq, bk, bg0, bg1, lora_shared, qact, kact, normalizer):
         ctx.options = (lora_shared, qact, kact, normalizer)
-        low, weights, biases = (lq, lk, lg0, lg1), (wq, wk, wg0, wg1), (bq, bk, bg0, bg1)
+        low = (lq, lk, lg0, lg1)
+        # the weights in the inputs' dtype once (autocast's cast), kept for the backward's two products
+        weights, biases = ([None if t is None else t.to(lq.dtype) for t in ts] for ts in ((wq, wk, wg0, wg1),
+                                                                                         (bq, bk, bg0, bg1)))
+        ctx.dtypes = [None if t is None else t.dtype for t in (wq, wk, wg0, wg1, bq, bk, bg0, bg1)]
         ups = _low_rank_products(q.shape[-2:], low, weights, biases)
         outs, ins, ctx.strides = _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], ctx.options)
         ctx.save_for_backward(q, k, *low, *weights, *biases)
@@ -358,18 +362,17 @@ class _LowRankFeatures(torch.autograd.Function):
         dlow, dweights, dbiases = [], [], []
         for i, (x, w, b, dy) in enumerate(zip(low, weights, biases, (dq_lora, dk_lora, dg0, dg1))):
             dy = dy.reshape(-1, dy.shape[-2] * dy.shape[-1])
-            dlow.append((dy @ w.to(dy.dtype)).view(x.shape) if wanted[2 + i] else None)
-            dweights.append((dy.t() @ x.reshape(-1, x.shape[-1])).to(w.dtype) if wanted[6 + i] else None)
-            dbiases.append(dy.sum(0, dtype=torch.float32).to(b.dtype) if b is not None and wanted[10 + i] else None)
+            dlow.append((dy @ w).view(x.shape) if wanted[2 + i] else None)
+            dweights.append((dy.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[i]) if wanted[6 + i] else None)
+            dbiases.append(dy.sum(0, dtype=ctx.dtypes[4 + i]) if b is not None and wanted[10 + i] else None)
         return (dq, dk, *dlow, *dweights, *dbiases, None, None, None, None)
 
 
 def _low_rank_products(head_shape, low, weights, biases) -> list[torch.Tensor]:
-    """``x @ w^T + b`` for each rank-r input, in its dtype (the same in the forward and, where autocast is off,
-    the backward), as ``[..., H, K]``."""
+    """``x @ w^T + b`` for each rank-r input (weights already in its dtype), as ``[..., H, K]``; autocast off, so
+    that the backward's products are the forward's."""
     with torch.autocast(low[0].device.type, enabled=False):
-        return [F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype)).unflatten(-1, tuple(head_shape))
-                for x, w, b in zip(low, weights, biases)]
+        return [F.linear(x, w, b).unflatten(-1, tuple(head_shape)) for x, w, b in zip(low, weights, biases)]
 
 
 def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side: str, q_activation: str,

@@ -368,11 +368,12 @@ def test_sse_features_kernel_reads_column_slices():
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_act,k_act,lora_side", [("silu", "softmax", "sparse"), ("identity", "silu", "shared")])
-def test_sse_low_rank_features_kernel_matches_reference(q_act, k_act, lora_side):
+def test_sse_low_rank_features_kernel_matches_reference(q_act, k_act, lora_side, dtype):
     """The training prologue from the layer's first product (q, k and the four rank-r inputs as column slices of
-    it; ranks that are not powers of two; biases on the gates only): outputs and the gradients of the product,
-    the four weights and the two biases against float64."""
+    it, in ``dtype``, the weights float32 as autocast leaves them; ranks that are not powers of two; biases on the
+    gates only): outputs and the gradients of the product, the four weights and the two biases against float64."""
     from kernels.fused import sse_low_rank_features_triton
     from sse_model.ops.fused import sse_low_rank_features
 
@@ -392,13 +393,15 @@ def test_sse_low_rank_features_kernel_matches_reference(q_act, k_act, lora_side)
 
     ref, grads_ref = run(sse_low_rank_features, proj.double().requires_grad_(),
                          [tuple(None if t is None else t.double().requires_grad_() for t in pair) for pair in ups])
-    out, grads = run(sse_low_rank_features_triton, proj.to(DEVICE).requires_grad_(),
+    out, grads = run(sse_low_rank_features_triton, proj.to(DEVICE, dtype).requires_grad_(),
                      [tuple(None if t is None else t.to(DEVICE).requires_grad_() for t in pair) for pair in ups])
     for name, a, b in zip(["q sh", "k sh", "g sh", "q sp", "k sp", "g sp"], out, ref):
-        assert_close(a.cpu(), b, torch.float32, f"output {name}")
+        assert a.dtype == dtype
+        assert_close(a.float().cpu(), b, dtype, f"output {name}")
     names = ["projection", "lora q weight", "lora k weight", "gate weight", "gate bias", "gate weight", "gate bias"]
     for name, a, b in zip(names, grads, grads_ref):
-        assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
+        assert a.dtype == (dtype if name == "projection" else torch.float32)
+        assert_close(a.float().cpu(), b, dtype, f"gradient of {name}")
 
 
 def test_sse_low_rank_features_kernel_keeps_the_rank_r_inputs_for_its_backward():
