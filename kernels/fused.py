@@ -346,7 +346,7 @@ class _LowRankFeatures(torch.autograd.Function):
                                                                                          (bq, bk, bg0, bg1)))
         ctx.dtypes = [None if t is None else t.dtype for t in (wq, wk, wg0, wg1, bq, bk, bg0, bg1)]
         ups = _low_rank_products(q.shape[-2:], low, weights, biases)
-        outs, ins, ctx.strides = _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], ctx.options)
+        outs, _, ctx.strides = _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], ctx.options)
         ctx.save_for_backward(q, k, *low, *weights, *biases)
         return outs
 
