@@ -57,8 +57,7 @@ def _supports(x: torch.Tensor) -> bool:
 
 def register() -> None:
     from .decode import linear_decode_triton, sse_decode_triton
-    from .fused import (rms_norm_triton, silu_mul_triton, sse_decode_features_triton, sse_features_triton,
-                        sse_low_rank_features_triton)
+    from .fused import rms_norm_triton, silu_mul_triton, sse_decode_features_triton, sse_low_rank_features_triton
     from .routing import route_triton
     from .skinny import skinny_linear_op
     from .sse_chunk import sse_chunk_triton
@@ -73,7 +72,6 @@ def register() -> None:
         route=route_triton,
         rms_norm=rms_norm_triton,
         silu_mul=silu_mul_triton,
-        sse_features=sse_features_triton,
         sse_low_rank_features=sse_low_rank_features_triton,
         sse_decode_features=sse_decode_features_triton,
         linear=skinny_linear_op,

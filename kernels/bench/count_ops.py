@@ -73,8 +73,7 @@ def kernels_on_cpu(launches: collections.Counter):
         sse_chunk.build_plans = build_plans
         dispatch._BACKENDS[:] = [dispatch.Backend(
             "kernels-on-cpu", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton,
-            rms_norm=fused.rms_norm_triton, sse_features=fused.sse_features_triton,
-            sse_low_rank_features=fused.sse_low_rank_features_triton)]
+            rms_norm=fused.rms_norm_triton, sse_low_rank_features=fused.sse_low_rank_features_triton)]
         yield
     finally:
         for module, name, obj in saved:

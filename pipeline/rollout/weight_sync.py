@@ -65,21 +65,29 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 def send(group, state_dict: dict[str, torch.Tensor], layout: Layout, device: torch.device) -> None:
     """Rank 0: broadcasts ``state_dict`` bucket by bucket, cast to the layout's dtype, from ``device``."""
-    with torch.no_grad():
-        for bucket in layout.buckets:
-            flat = torch.cat([state_dict[name].detach().to(device=device, dtype=layout.dtype).reshape(-1)
-                              for name, _ in bucket])
-            _broadcast(group, flat)
+    for bucket in layout.buckets:
+        _broadcast(group, _packed(state_dict, bucket, layout.dtype, device))
 
 
 def receive(group, layout: Layout, device: torch.device):
     """Ranks >= 1: yields ``(name, tensor)`` of every weight as its bucket arrives (views of the bucket)."""
     for bucket in layout.buckets:
-        numels = [torch.Size(shape).numel() for _, shape in bucket]
-        flat = torch.empty(sum(numels), dtype=layout.dtype, device=device)
+        flat = torch.empty(sum(torch.Size(shape).numel() for _, shape in bucket), dtype=layout.dtype, device=device)
         _broadcast(group, flat)
-        for (name, shape), part in zip(bucket, flat.split(numels)):
-            yield name, part.view(shape)
+        yield from _unpacked(bucket, flat)
+
+
+def _packed(state_dict: dict[str, torch.Tensor], bucket, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """One bucket's weights, cast to ``dtype`` (on ``device``: theirs if None), in one flat tensor."""
+    with torch.no_grad():
+        return torch.cat([state_dict[name].detach().to(device=device, dtype=dtype).reshape(-1) for name, _ in bucket])
+
+
+def _unpacked(bucket, flat: torch.Tensor):
+    """``(name, tensor)`` of a bucket's weights: views of ``flat``."""
+    numels = [torch.Size(shape).numel() for _, shape in bucket]
+    for (name, shape), part in zip(bucket, flat.split(numels)):
+        yield name, part.view(shape)
 
 
 def share(state_dict: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> tuple[list[torch.Tensor], list]:
@@ -95,12 +103,11 @@ def share(state_dict: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -
             raise RuntimeError(f"CUDA IPC needs the weights on a GPU; {name} is on {tensor.device}")
         by_dtype.setdefault(dtypes.get(name, tensor.dtype), {})[name] = tensor
     buckets, shared = [], []
-    with torch.no_grad():
-        for dtype, part in by_dtype.items():
-            for bucket in Layout.of(part, dtype).buckets:
-                flat = torch.cat([part[name].detach().to(dtype).reshape(-1) for name, _ in bucket])
-                buckets.append(flat)
-                shared.append((bucket, reduce_tensor(flat)))
+    for dtype, part in by_dtype.items():
+        for bucket in Layout.of(part, dtype).buckets:
+            flat = _packed(part, bucket, dtype)
+            buckets.append(flat)
+            shared.append((bucket, reduce_tensor(flat)))
     torch.cuda.current_stream().synchronize()  # the buckets are written before any engine reads them
     return buckets, shared
 
@@ -108,7 +115,4 @@ def share(state_dict: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -
 def opened(shared: list):
     """An engine's side of :func:`share`: yields ``(name, tensor)``, views of the trainer's buckets."""
     for bucket, (rebuild, args) in shared:
-        flat = rebuild(*args)
-        numels = [torch.Size(shape).numel() for _, shape in bucket]
-        for (name, shape), part in zip(bucket, flat.split(numels)):
-            yield name, part.view(shape)
+        yield from _unpacked(bucket, rebuild(*args))

@@ -58,8 +58,8 @@ class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
     signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
-    ``rms_norm``, ``silu_mul``, ``sse_features``, ``sse_low_rank_features`` and ``sse_decode_features`` the
-    fused stages of :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
+    ``rms_norm``, ``silu_mul``, ``sse_low_rank_features`` and ``sse_decode_features`` the fused stages of
+    :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
 
     name: str
     supports: Callable[[torch.Tensor], bool]
@@ -70,7 +70,6 @@ class Backend:
     route: Callable | None = None
     rms_norm: Callable | None = None
     silu_mul: Callable | None = None
-    sse_features: Callable | None = None
     sse_low_rank_features: Callable | None = None
     sse_decode_features: Callable | None = None
     linear: Callable | None = None
@@ -262,16 +261,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return fused.silu_mul(gate, up)
 
 
-def sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options):
-    """The SSE layer's feature prologue through the dispatch point; see :func:`sse_model.ops.fused.sse_features`."""
-    backend = active_backend(q)
-    if backend is not None and backend.sse_features is not None:
-        out = backend.sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options)
-        if out is not None:
-            return out
-    return fused.sse_features(q, q_lora, k, k_lora, gk_shared, gk_sparse, **options)
-
-
 def sse_low_rank_features(q, k, low, up, **options):
     """The SSE layer's feature prologue from its low-rank inputs through the dispatch point; see
     :func:`sse_model.ops.fused.sse_low_rank_features`."""
@@ -311,7 +300,6 @@ __all__ = [
     "sse_attention",
     "sse_decode",
     "sse_decode_features",
-    "sse_features",
     "sse_low_rank_features",
     "torch_linear_op",
 ]
