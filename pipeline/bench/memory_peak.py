@@ -6,7 +6,7 @@ line of this project that made them, from PyTorch's allocator trace (``torch.cud
     print(peak_table(peak(trace.snapshot, trace.start_bytes)))
 
 ``python -m pipeline.bench.train_at_length --trace-memory`` prints it for one step of each model: where a model's
-peak goes beyond another's (SSE-H's training step holds 2.2 GiB more than the Transformer's, docs/paper_scale.md).
+peak goes beyond another's (SSE-H's training step against the Transformer's: docs/paper_scale.md).
 """
 
 from __future__ import annotations
