@@ -98,14 +98,15 @@ def _meta(decodes: list[int], prefills: list[tuple[int, int, int]]):
 @pytest.mark.parametrize("overrides", [{}, dict(use_short_conv=True), dict(mixer_types=["gla"] * 5 + ["attn"])])
 def test_a_linear_layer_over_vllm_batches_equals_each_sequence_alone(overrides):
     """Three steps as vLLM schedules them: two new prompts; then both decode while a third prompt arrives and a
-    fourth is prefilled in two chunks; then three decode beside the fourth's second chunk. State rows hold
-    stale values from earlier sequences. Every token's output equals the mixer run over its whole sequence."""
+    fourth is prefilled in two chunks; then three decode beside the fourth's second chunk and a fifth, new prompt.
+    State rows hold stale values from earlier sequences. Every token's output equals the mixer run over its whole
+    sequence, and a step's prompts take one call of the mixer (one per prompt with convolution caches)."""
     torch.manual_seed(0)
     config = SSEConfig.from_preset("sse-h-tiny", **overrides)
     mixer = SSEForCausalLM(config).model.layers[0].attn.eval()
-    D, lengths = config.hidden_size, {0: 7, 1: 5, 2: 5, 3: 6}
+    D, lengths = config.hidden_size, {0: 7, 1: 5, 2: 5, 3: 6, 4: 4}
     seqs = {s: torch.randn(n, D) for s, n in lengths.items()}
-    rows = {0: 4, 1: 1, 2: 2, 3: 5}
+    rows = {0: 4, 1: 1, 2: 2, 3: 5, 4: 3}
     with torch.no_grad():
         want = {s: mixer(x[None], ForwardContext(torch.arange(len(x))[None], torch.arange(len(x))[None]))[0][0]
                 for s, x in seqs.items()}
@@ -114,13 +115,17 @@ def test_a_linear_layer_over_vllm_batches_equals_each_sequence_alone(overrides):
         # (decoding sequences, [(sequence, first token, tokens)] of prompts) per step
         steps = [([], [(0, 0, 5), (1, 0, 3)]),
                  ([0, 1], [(2, 0, 4), (3, 0, 3)]),
-                 ([0, 1, 2], [(3, 3, 3)])]
+                 ([0, 1, 2], [(3, 3, 3), (4, 0, 4)])]
         done = {s: 0 for s in seqs}
         for decoding, prompts in steps:
             parts = [seqs[s][done[s]:done[s] + 1] for s in decoding] + [seqs[s][a:a + n] for s, a, n in prompts]
             pos = [torch.tensor([done[s]]) for s in decoding] + [torch.arange(a, a + n) for s, a, n in prompts]
             meta = _meta([rows[s] for s in decoding], [(rows[s], n, a) for s, a, n in prompts])
+            calls = []
+            hook = mixer.register_forward_hook(lambda *_: calls.append(1))
             out = run_linear_layer(mixer, torch.cat(parts), torch.cat(pos), states, meta)
+            hook.remove()
+            assert len(calls) == bool(decoding) + (len(prompts) if config.use_short_conv else 1)
             first = 0
             for s, part, p in zip(decoding + [s for s, _, _ in prompts], parts, pos):
                 torch.testing.assert_close(out[first:first + len(part)], want[s][p], atol=2e-5, rtol=1e-4)

@@ -1,6 +1,7 @@
 """The rollout engine on an evaluation-shaped workload; prints a markdown table.
 
     python -m pipeline.rollout.bench.eval_workload --preset sse-h-smollm2 --max-slots 256 1024 --top-p 0.95 1.0
+    python -m pipeline.rollout.bench.eval_workload --backend sse vllm --max-slots 1024 --prefill-chunk-size 8192
 
 Evaluation and GRPO with a small model are not one long batch: many requests of ``--samples`` samples each, prompts
 of varied length, completions of varied length (most short, some to the limit), so slots free and refill all the
@@ -8,7 +9,9 @@ time and every admitted request is prefilled while the others decode. Random wei
 is drawn, EOS ignored): ``--requests`` prompts of ``--prompt-len LOW HIGH`` tokens, each sample's length drawn from
 a geometric distribution of mean ``--mean-new-tokens`` capped at ``--max-new-tokens``. For each engine setting,
 one row: wall time, generated tokens/s, the engine's own split of its time (decode steps, prefill, the rest: the
-host's admission and bookkeeping), decode steps, mean slot occupancy and prefill forwards.
+host's admission and bookkeeping), decode steps, mean slot occupancy and prefill forwards. ``--backend vllm`` serves
+the same model, saved to a temporary folder, through vLLM and this package's plugin (``engine.backend: vllm``; vLLM
+on the path): wall time and generated tokens/s only, vLLM keeping no such split.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import argparse
 import dataclasses
 import itertools
 import random
+import tempfile
 import time
 
 import torch
 
-from ..engine import Engine
+from .. import create_engine
 from ..sampling import SamplingParams
 
 
@@ -41,19 +45,19 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def run(engine: Engine, jobs, samples: int, top_p: float) -> dict:
-    """Serves every request of ``jobs`` through ``engine.step`` as evaluation does; the engine's stats and wall."""
+def run(engine, jobs, samples: int, top_p: float) -> dict:
+    """Serves every request of ``jobs`` through ``engine.step`` as evaluation does; the tokens generated, the wall
+    time, and the engine's own stats where it keeps them (ours; vLLM's keeps none of these)."""
     for prompt, length in jobs:
         engine.add_request(prompt, SamplingParams(n=samples, temperature=0.7, top_p=top_p, max_tokens=length,
                                                   ignore_eos=True, seed=len(prompt), logprobs=False))
     synchronize()
-    start = time.perf_counter()
+    start, generated = time.perf_counter(), 0
     while engine.has_unfinished():
-        engine.step()
+        generated += sum(len(c.token_ids) for out in engine.step() for c in out.outputs)
     synchronize()
-    stats = {**engine.get_stats(), **dataclasses.asdict(engine.stats)}
-    stats["wall_s"] = time.perf_counter() - start
-    return stats
+    stats = {**engine.get_stats(), **(dataclasses.asdict(engine.stats) if hasattr(engine, "stats") else {})}
+    return {**stats, "generated": generated, "wall_s": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -67,6 +71,8 @@ def main() -> None:
     parser.add_argument("--max-slots", type=int, nargs="+", default=[256])
     parser.add_argument("--top-p", type=float, nargs="+", default=[0.95])
     parser.add_argument("--prefill-chunk-size", type=int, nargs="+", default=[2048])
+    parser.add_argument("--backend", nargs="+", default=["sse"], choices=["sse", "vllm"],
+                        help="sse: this package's engine; vllm: vLLM with this package's plugin")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import kernels
@@ -83,26 +89,42 @@ def main() -> None:
     print(f"{args.preset}: {args.requests} requests x {args.samples} samples, prompts {args.prompt_len[0]}-"
           f"{args.prompt_len[1]} tokens, completions mean {args.mean_new_tokens} capped at {args.max_new_tokens}; "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}\n", flush=True)
+    folder = None
+    if "vllm" in args.backend:  # vLLM serves a checkpoint folder
+        folder = tempfile.TemporaryDirectory()
+        model.save_pretrained(folder.name)
     rows = []
-    for slots, top_p, chunk in itertools.product(args.max_slots, args.top_p, args.prefill_chunk_size):
-        engine = Engine(model, None, max_slots=slots, max_model_len=max_len, prefill_chunk_size=chunk)
+    for backend, slots, top_p, chunk in itertools.product(args.backend, args.max_slots, args.top_p,
+                                                          args.prefill_chunk_size):
+        options = dict(max_slots=slots, max_model_len=max_len, prefill_chunk_size=chunk)
+        engine = (create_engine(folder.name, None, backend="vllm", dtype=torch.bfloat16, seed=args.seed, **options)
+                  if backend == "vllm" else create_engine(model, None, **options))
         run(engine, jobs[:2 * slots // args.samples], args.samples, top_p)  # warm-up: graphs, autotuning
-        engine.stats = type(engine.stats)()
+        if hasattr(engine, "stats"):
+            engine.stats = type(engine.stats)()
         s = run(engine, jobs, args.samples, top_p)
-        other = s["wall_s"] - s["decode_seconds"] - s["prefill_seconds"]
-        rows.append((slots, top_p, chunk, s["wall_s"], s["generated_tokens"] / s["wall_s"], s["decode_seconds"],
-                     s["prefill_seconds"], other, s["decode_steps"], s["mean_slot_occupancy"], s["prefill_forwards"]))
-        print(f"max_slots {slots}, top_p {top_p}, chunk {chunk}: {s['generated_tokens']} tokens in "
+        split = [s.get(k) for k in ("decode_seconds", "prefill_seconds")]
+        other = s["wall_s"] - sum(split) if None not in split else None
+        rows.append((backend, slots, top_p, chunk, s["wall_s"], s["generated"] / s["wall_s"], *split, other,
+                     s.get("decode_steps"), s.get("mean_slot_occupancy"), s.get("prefill_forwards")))
+        print(f"{backend}, max_slots {slots}, top_p {top_p}, chunk {chunk}: {s['generated']} tokens in "
               f"{s['wall_s']:.1f} s", flush=True)
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| max slots | top-p | prefill chunk | wall s | generated tok/s | decode s | prefill s | rest s "
+
+    def cell(value, spec):
+        return "" if value is None else format(value, spec)
+
+    print("\n| engine | max slots | top-p | prefill chunk | wall s | generated tok/s | decode s | prefill s | rest s "
           "| decode steps | mean occupancy | prefill forwards |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:,.0f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.1f} | {r[8]} "
-              f"| {r[9]:.2f} | {r[10]} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]:,.0f} | {cell(r[6], '.1f')} | "
+              f"{cell(r[7], '.1f')} | {cell(r[8], '.1f')} | {cell(r[9], 'd')} | {cell(r[10], '.2f')} | "
+              f"{cell(r[11], 'd')} |")
+    if folder is not None:
+        folder.cleanup()
 
 
 if __name__ == "__main__":

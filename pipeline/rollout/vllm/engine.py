@@ -61,7 +61,8 @@ class VllmEngine:
     """``VllmEngine(checkpoint, tokenizer, **engine_options)``: the options of :func:`pipeline.models.engine_options`
     (``max_slots`` -> vLLM's ``max_num_seqs``; ``memory_budget`` -> its KV/state cache bytes, by default 90% of the
     memory free when it starts, as the engine; ``prefill_chunk_size`` -> tokens per step; ``use_cuda_graphs=False``
-    -> eager). ``block_size`` is vLLM's to choose for SSE models (a state row must fit a KV page)."""
+    -> eager; otherwise decode batches of up to ``max_slots`` replay CUDA graphs). ``block_size`` is vLLM's to
+    choose for SSE models (a state row must fit a KV page)."""
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, memory_budget: int | None = None,
                  max_model_len: int = 4096, prefill_chunk_size: int = 2048, block_size: int | None = None,
@@ -85,6 +86,9 @@ class VllmEngine:
                        max_model_len=max_model_len, max_num_seqs=self.max_slots,
                        max_num_batched_tokens=max(prefill_chunk_size, self.max_slots),
                        enforce_eager=use_cuda_graphs is False, enable_prefix_caching=False, enable_sleep_mode=True,
+                       # decode graphs for every batch up to max_slots (vLLM's default stops at 512: larger decode
+                       # batches ran eager; our model has no torch.compile form, so only whole-step graphs exist)
+                       compilation_config={"max_cudagraph_capture_size": self.max_slots},
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=0.9 * free / total,
                        kv_cache_memory_bytes=memory_budget,
                        worker_extension_cls=f"{__name__}.WeightLoader")

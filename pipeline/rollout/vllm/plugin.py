@@ -118,29 +118,38 @@ def run_linear_layer(mixer, hidden: torch.Tensor, positions: torch.Tensor, state
     sequences first (one token each), then the prompts or prompt chunks. ``meta`` is vLLM's linear-attention
     metadata (``num_decodes``, ``num_decode_tokens``, ``num_prefills``, ``query_start_loc``, ``seq_lens``,
     ``state_indices_tensor``: each sequence's state row); None in vLLM's memory profiling, where the mixer runs
-    without states. The decodes run as one batch, their rows updated in place (the decode kernel); each prompt
-    runs from its row's state, zeros for a new sequence (a row still holds a finished one's), and writes it back.
-    Rows past the scheduled tokens (padding) stay zero."""
+    without states. The decodes run as one batch, their rows updated in place (the decode kernel). The prompts run
+    from their rows' states, zeros for a new sequence (a row still holds a finished one's), and write them back:
+    packed in one varlen call (``cu_seqlens``, a state per sequence), as the engine's packed prefill, since a
+    forward at a small width is bound by its launches and vLLM admits new prompts beside the decodes at almost
+    every step; one by one where the layer keeps short-convolution caches, whose packed form keeps none per
+    sequence. Rows past the scheduled tokens (padding) stay zero."""
 
-    def run(x, pos, slots):
-        return mixer(x, ForwardContext(pos, pos, cache=None if slots is None else StateRows(states, slots)))[0]
+    def run(x, pos, slots, cu_seqlens=None):
+        cache = None if slots is None else StateRows(states, slots)
+        return mixer(x, ForwardContext(pos, pos, cu_seqlens=cu_seqlens, cache=cache))[0]
 
     if meta is None:
         return run(hidden[None], positions[None], None)[0]
     out = torch.zeros_like(hidden)
     rows = meta.state_indices_tensor
-    decodes, decode_tokens = meta.num_decodes, meta.num_decode_tokens
+    decodes, decode_tokens, prefills = meta.num_decodes, meta.num_decode_tokens, meta.num_prefills
     if decodes:  # padded rows of a CUDA-graph batch carry a negative index: they write the unused row 0
         slots = rows[:decodes].long().clamp(min=0)
         out[:decode_tokens] = run(hidden[:decode_tokens, None], positions[:decode_tokens, None], slots)[:, 0]
-    if meta.num_prefills:
-        starts = meta.query_start_loc[decodes:decodes + meta.num_prefills + 1].tolist()
-        lengths = meta.seq_lens[decodes:decodes + meta.num_prefills].tolist()
-        for j in range(meta.num_prefills):
-            start, end = starts[j], starts[j + 1]
-            slot = rows[decodes + j:decodes + j + 1].long()
-            if lengths[j] == end - start:  # a new sequence
-                for state in states:
-                    state[slot] = 0
-            out[start:end] = run(hidden[None, start:end], positions[None, start:end], slot)[0]
+    if not prefills:
+        return out
+    bounds = meta.query_start_loc[decodes:decodes + prefills + 1].long()
+    slots = rows[decodes:decodes + prefills].long()
+    new = meta.seq_lens[decodes:decodes + prefills].long() == bounds[1:] - bounds[:-1]  # nothing before this chunk
+    for state in states:
+        state[slots[new]] = 0
+    starts = bounds.tolist()
+    if len(states) == 1:  # no convolution caches: every prompt in one call
+        first, last = starts[0], starts[-1]
+        out[first:last] = run(hidden[None, first:last], positions[None, first:last], slots, bounds - first)[0]
+        return out
+    for j in range(prefills):
+        start, end = starts[j], starts[j + 1]
+        out[start:end] = run(hidden[None, start:end], positions[None, start:end], slots[j:j + 1])[0]
     return out
