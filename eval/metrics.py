@@ -83,7 +83,9 @@ def ks_for(n: int) -> list[int]:
 
 def summarize(problems: list[dict], seed: int = 0) -> dict:
     """Metrics of one benchmark. Each problem: ``{"correct": [bool]*n, "clusters": [int]*n,
-    "lengths": [int]*n, "truncated": [bool]*n}`` with the same n for all problems."""
+    "lengths": [int]*n, "truncated": [bool]*n}`` with the same n for all problems, and optionally ``"boxed":
+    [bool]*n`` (the answer given as the prompt asks, in a box): then ``boxed_rate``, which tells a model that answers
+    in the format from one whose score is the fallback's reading of unformatted text."""
     n = min(len(p["correct"]) for p in problems)
     correct = [p["correct"][:n] for p in problems]
     per_problem = [sum(row) / n for row in correct]  # what the bootstrap resamples
@@ -102,4 +104,7 @@ def summarize(problems: list[dict], seed: int = 0) -> dict:
         "max_length": max(lengths, default=0),
         "truncation_rate": sum(truncated) / len(truncated) if truncated else 0.0,
     }
+    if all("boxed" in p for p in problems):
+        boxed = [b for p in problems for b in p["boxed"][:n]]
+        result["boxed_rate"] = sum(boxed) / len(boxed) if boxed else 0.0
     return result

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from rewards.extract import last_boxed
 from rewards.verify import MathVerifier
 
 from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problems
@@ -223,6 +224,7 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
             "clusters": cluster_answers(chunk, equivalent, missing_votes),
             "lengths": [r["num_tokens"] for r in ordered[sl]],
             "truncated": [r["finish_reason"] == "length" for r in ordered[sl]],
+            "boxed": [last_boxed(r["text"]) is not None for r in ordered[sl]],
         })
     summary = summarize(rows, seed=seed)
     summary["reward_stats"] = stats.as_dict()

@@ -4,7 +4,9 @@
 From each run folder it reads what the stages left there: every evaluation (``summary.json`` under the run, one row
 each, named by the stage whose model it scored), GRPO's curves (``grpo/metrics.jsonl``: reward and accuracy per
 step) and its rollout engines (generated tokens/s over the logged steps, the recurrent state one sequence holds,
-``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark; the figure puts the accuracies
+``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark (and the share of answers given
+in a box, where the evaluation counted it: near the floor it tells a model that answers from noise read by the
+fallback); the figure puts the accuracies
 with their intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
 """
 
@@ -26,7 +28,7 @@ STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distil
 @dataclass
 class Evaluation:
     stage: str
-    benchmarks: dict  # name -> (avg, low, high, repeats)
+    benchmarks: dict  # name -> (avg, low, high, repeats, boxed rate or None)
 
 
 @dataclass
@@ -62,7 +64,7 @@ def read_run(label: str, folder: Path) -> Run:
         for name, m in summary.get("benchmarks", {}).items():
             n = m["repeats"]
             low, high = m[f"avg@{n}_ci95"]
-            benches[name] = (m[f"avg@{n}"], low, high, n)
+            benches[name] = (m[f"avg@{n}"], low, high, n, m.get("boxed_rate"))
         run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder), benches))
     order = [stage for _, stage in reversed(STAGE_OF_PATH)]  # the pipeline's order; other evaluations last
     run.evaluations.sort(key=lambda e: order.index(e.stage) if e.stage in order else len(order))
@@ -90,8 +92,9 @@ def markdown(runs: list[Run]) -> str:
             cells = []
             for b in benchmarks:
                 if b in e.benchmarks:
-                    avg, low, high, n = e.benchmarks[b]
-                    cells.append(f"{100 * avg:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={n}")
+                    avg, low, high, n, boxed = e.benchmarks[b]
+                    boxed = "" if boxed is None else f", {100 * boxed:.0f}% boxed"
+                    cells.append(f"{100 * avg:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={n}{boxed}")
                 else:
                     cells.append("")
             lines.append(f"| {run.label}, {e.stage} | " + " | ".join(cells) + " |")
@@ -123,7 +126,7 @@ def plot(runs: list[Run], path: Path) -> None:
         xs, ys, lo, hi = [], [], [], []
         for j, b in enumerate(benchmarks):
             if b in e.benchmarks:
-                avg, low, high, _ = e.benchmarks[b]
+                avg, low, high, *_ = e.benchmarks[b]
                 xs.append(j + (i - (len(rows) - 1) / 2) * width)
                 ys.append(100 * avg)
                 lo.append(100 * (avg - low))

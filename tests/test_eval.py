@@ -40,6 +40,31 @@ def test_hand_computed_metrics():
     assert summary["avg@2"] == pytest.approx(0.25) and summary["pass@k"][2] == pytest.approx(0.5)
     assert summary["maj@k"][1] == pytest.approx(0.5) and summary["truncation_rate"] == pytest.approx(0.25)
     assert summary["mean_length"] == pytest.approx(10) and summary["max_length"] == 20
+    assert "boxed_rate" not in summary  # not counted: no column rather than a wrong one
+    boxed = summarize([{"correct": [True], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [True]},
+                       {"correct": [False], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [False]}])
+    assert boxed["boxed_rate"] == pytest.approx(0.5)
+
+
+def test_the_summary_counts_answers_given_in_a_box():
+    """A model whose text has no box is scored by the last stated answer; ``boxed_rate`` says how many answers came
+    in the asked format, and the report shows it."""
+    from eval.benchmarks import Problem
+    from eval.report import markdown_table
+    from eval.runner import score_benchmark
+
+    problems = [Problem("1", "What is 2+2?", "4"), Problem("2", "What is 3+3?", "6")]
+    texts = ["So \\boxed{4}.", "2+2 is 4", "The answer is 6.", "\\boxed{5}"]
+    records = [{"problem_id": p.id, "sample": i, "text": texts[2 * j + i], "num_tokens": 3, "finish_reason": "stop"}
+               for j, p in enumerate(problems) for i in range(2)]
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    try:
+        summary = score_benchmark(problems, records, repeats=2, verifier=verifier)
+    finally:
+        verifier.close()
+    assert summary["avg@2"] == pytest.approx(0.75)  # three right: two of them read without a box
+    assert summary["boxed_rate"] == pytest.approx(0.5)
+    assert "| 0.0% | 50% |" in markdown_table({"benchmarks": {"toy": summary}})
 
 
 def test_problem_loading(tmp_path):
@@ -223,7 +248,8 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     def finished_run(folder, accuracy, model, reward):
         rng = random.Random(accuracy)
         problems = [{"correct": [rng.random() < accuracy for _ in range(4)], "clusters": [0, 1, 2, 3],
-                     "lengths": [10] * 4, "truncated": [False] * 4} for _ in range(30)]
+                     "lengths": [10] * 4, "truncated": [False] * 4, "boxed": [True, True, True, False]}
+                    for _ in range(30)]
         summary = {"benchmarks": {"gsm8k": summarize(problems)}, "model": model}
         write_reports(summary, folder / "eval")
         (folder / "grpo").mkdir(parents=True, exist_ok=True)
@@ -244,7 +270,8 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), "--out", str(out)]) == 0
     text = (out / "compare.md").read_text()
     low, high = sse["avg@4_ci95"]
-    assert f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4 |" in text
+    assert f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4, 75% boxed |" in text
+    assert "n=4 |" in text  # evaluations that did not count boxes (older summaries) show none
     assert "| tf, after distillation |" in text
     rows = [text.index(f"| SSE-H, {stage} |") for stage in ("before training", "after distillation", "after GRPO")]
     assert rows == sorted(rows), "the pipeline's order"
