@@ -1,0 +1,186 @@
+"""Variants of a recipe side by side, from one shared start; prints and writes a markdown table.
+
+    python -m pipeline.bench.sweep smollm2-135m --out runs/sweep --shared align \\
+        --set grpo.enabled=false "eval.benchmarks=[gsm8k,word_problems]" \\
+        --variant recipe --variant kl09 distill.teacher_kl=0.9 --variant lr3e-4 distill.learning_rate=3e-4
+
+``--shared align`` runs the recipe's align stage once (its other stages off) into ``OUT/shared``; every variant then
+runs the rest of the recipe from that model (``--checkpoint``, its align stage off), each with its own overrides
+after the common ``--set`` ones, scoring its last model (``eval.models=[last]``). Without ``--shared`` each variant
+runs the whole recipe. The variants run at once, each a ``sse-pipeline run`` process with a Ray of its own, on the
+GPUs the sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer
+than one (one sweep per GPU with ``CUDA_VISIBLE_DEVICES``). Each keeps its usual folder, ``OUT/<variant>``, and its
+log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and ``OUT/sweep.json`` hold, per variant, its overrides, wall time, the
+last logged distillation metrics and each benchmark's avg@n with its 95% interval and the share of boxed answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eval.report import atomic_write
+
+from ..metrics import read_metrics
+from ..recipe import load_recipe
+
+# the distillation's last logged values: its loss (CE, or the mix with the teacher's KL), and with a teacher both parts
+DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy")
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+
+
+def parse_variant(values: list[str]) -> Variant:
+    """``NAME [KEY=VALUE ...]`` from the command line; a name is a folder name, an override has an ``=``."""
+    name, *overrides = values
+    if "=" in name or "/" in name or name in ("shared", ""):
+        raise ValueError(f"--variant {' '.join(values)}: the first word names the variant (a folder under --out, "
+                         f"not 'shared'), then its overrides KEY=VALUE")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"--variant {name}: {bad[0]!r} is no override (KEY=VALUE)")
+    return Variant(name, overrides)
+
+
+def commands(recipe: str, out: Path, common: list[str], variants: list[Variant], shared: str | None
+             ) -> tuple[list[str] | None, dict[str, list[str]]]:
+    """The shared run's command (None without ``shared``) and each variant's, as ``sse-pipeline run`` argv."""
+    run = [sys.executable, "-m", "pipeline.cli", "run", recipe]
+    first = None
+    start: list[str] = []
+    if shared == "align":
+        first = [*run, f"output_dir={out / 'shared'}", *common, "distill.enabled=false", "grpo.enabled=false",
+                 "eval.enabled=false"]
+        start = ["align.enabled=false", "--checkpoint", str(out / "shared" / "align" / "final")]
+    elif shared is not None:
+        raise ValueError(f"--shared {shared}: only align can be shared (the stage before the variants differ)")
+    runs = {}
+    for v in variants:
+        runs[v.name] = [*run, f"output_dir={out / v.name}", *common, "eval.models=[last]", *v.overrides, *start]
+    return first, runs
+
+
+def _run_all(runs: dict[str, list[str]], out: Path) -> dict[str, dict]:
+    """Starts every command at once (its output to ``out/<name>.log``); waits, printing each as it ends."""
+    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}  # a Ray of its own for each
+    started, procs = time.time(), {}
+    for name, argv in runs.items():
+        log = (out / f"{name}.log").open("w")
+        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    results = {}
+    while procs:
+        for name, (proc, log) in list(procs.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started}
+            print(f"{name}: {'done' if proc.returncode == 0 else f'failed ({proc.returncode})'} after "
+                  f"{results[name]['wall_s']:.0f} s; {len(procs) - 1} running", flush=True)
+            del procs[name]
+        time.sleep(1)
+    return results
+
+
+def collect(folder: Path) -> dict:
+    """What a finished variant left: the last logged distillation metrics and the evaluation of its last model."""
+    row: dict = {}
+    logged = read_metrics(folder / "distill" / "metrics.jsonl")
+    last = {k: next(r[k] for r in reversed(logged) if k in r) for k in DISTILL_KEYS if any(k in r for r in logged)}
+    if last:
+        row["distill"] = last
+    summary = folder / "eval" / "summary.json"
+    if summary.exists():
+        row["eval"] = {}
+        for name, m in json.loads(summary.read_text())["benchmarks"].items():
+            n = m["repeats"]
+            row["eval"][name] = {"avg": m[f"avg@{n}"], "ci95": m[f"avg@{n}_ci95"], "n": n,
+                                 "boxed_rate": m.get("boxed_rate")}
+    return row
+
+
+def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], shared: str | None) -> str:
+    benchmarks = list(dict.fromkeys(b for r in rows.values() for b in r.get("eval", {})))
+    lines = ["| variant | overrides | wall s | distill loss | CE | KL to teacher | token acc | "
+             + " | ".join(f"{b} avg@n (95% CI), boxed" for b in benchmarks) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(benchmarks)]
+    for v in variants:
+        r = rows[v.name]
+        d = r.get("distill", {})
+        cells = [v.name, " ".join(f"`{o}`" for o in v.overrides) or "(the recipe's)",
+                 f"{r['wall_s']:.0f}" + ("" if r["returncode"] == 0 else f" (failed, {r['returncode']})")]
+        cells += [f"{d[k]:.3f}" if k in d else "" for k in DISTILL_KEYS]
+        for b in benchmarks:
+            e = r.get("eval", {}).get(b)
+            if e is None:
+                cells.append("")
+                continue
+            boxed = "" if e["boxed_rate"] is None else f", {100 * e['boxed_rate']:.0f}%"
+            low, high = e["ci95"]
+            cells.append(f"{100 * e['avg']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={e['n']}{boxed}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Every variant: {' '.join(f'`{o}`' for o in common) or 'the recipe as it is'}"
+              + (f", from the shared {shared} stage's model." if shared else "."),
+              "Wall time from the start of the variants (all at once); accuracies in %."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="recipe name or YAML path")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shared", choices=["align"], default=None, help="the stage the variants share")
+    parser.add_argument("--set", dest="common", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="overrides of every run, the shared one included")
+    parser.add_argument("--variant", dest="variants", nargs="+", action="append", required=True,
+                        metavar="NAME [KEY=VALUE", help="a variant: its name, then its overrides")
+    args = parser.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants]
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        parser.error(f"--variant: a name given twice: {names}")
+    if args.shared == "align":
+        from ..run import stage_runs
+
+        if not stage_runs(load_recipe(args.recipe, args.common), "align"):
+            parser.error(f"--shared align: {args.recipe} has no align stage to share (it converts no layer into SSE, "
+                         "or align.enabled is false); leave --shared out")
+    for v in variants:  # every variant's recipe is checked before anything runs
+        load_recipe(args.recipe, [f"output_dir={args.out / v.name}", *args.common, "eval.models=[last]",
+                                  *v.overrides, *(["align.enabled=false"] if args.shared else [])])
+    args.out.mkdir(parents=True, exist_ok=True)
+    first, runs = commands(args.recipe, args.out, args.common, variants, args.shared)
+    if first is not None:
+        print(f"shared {args.shared}: {' '.join(first[3:])}", flush=True)
+        start = time.time()
+        with (args.out / "shared.log").open("w") as log:
+            code = subprocess.run(first, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        if code:
+            print(f"shared {args.shared} failed ({code}): see {args.out / 'shared.log'}", file=sys.stderr)
+            return code
+        print(f"shared {args.shared}: done in {time.time() - start:.0f} s", flush=True)
+    print(f"{len(runs)} variants at once: {', '.join(runs)}", flush=True)
+    results = _run_all(runs, args.out)
+    rows = {name: {**results[name], **collect(args.out / name)} for name in runs}
+    table = markdown(rows, variants, args.common, args.shared)
+    atomic_write(args.out / "sweep.md", table)
+    atomic_write(args.out / "sweep.json", json.dumps({"recipe": args.recipe, "shared": args.shared,
+                                                      "common": args.common, "variants": {
+                                                          v.name: {"overrides": v.overrides, **rows[v.name]}
+                                                          for v in variants}}, indent=1))
+    print("\n" + table)
+    return 0 if all(r["returncode"] == 0 for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

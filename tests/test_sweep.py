@@ -1,0 +1,54 @@
+"""``python -m pipeline.bench.sweep``: recipe variants side by side from one shared start."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from pipeline.bench.sweep import Variant, commands, main, parse_variant
+
+
+def test_variants_start_from_the_shared_align_stage(tmp_path):
+    """The shared run is the align stage alone; each variant turns align off and starts from its model, scoring its
+    own last model, its overrides after the common ones (so a variant can change what all share)."""
+    first, runs = commands("smollm2-135m", tmp_path, ["grpo.enabled=false"],
+                           [Variant("base"), Variant("kl", ["distill.teacher_kl=0.9"])], "align")
+    run = [sys.executable, "-m", "pipeline.cli", "run", "smollm2-135m"]
+    assert first == [*run, f"output_dir={tmp_path / 'shared'}", "grpo.enabled=false", "distill.enabled=false",
+                     "grpo.enabled=false", "eval.enabled=false"]
+    assert runs["kl"] == [*run, f"output_dir={tmp_path / 'kl'}", "grpo.enabled=false", "eval.models=[last]",
+                          "distill.teacher_kl=0.9", "align.enabled=false", "--checkpoint",
+                          str(tmp_path / "shared" / "align" / "final")]
+    assert commands("demo", tmp_path, [], [Variant("a")], None)[0] is None
+
+
+def test_a_bad_variant_is_named():
+    assert parse_variant(["lr", "distill.learning_rate=1e-4"]) == Variant("lr", ["distill.learning_rate=1e-4"])
+    with pytest.raises(ValueError, match="first word names the variant"):
+        parse_variant(["distill.learning_rate=1e-4"])
+    with pytest.raises(ValueError, match="'fast' is no override"):
+        parse_variant(["lr", "fast"])
+    with pytest.raises(SystemExit):  # the Transformer arm converts nothing: no align stage to share
+        main(["smollm2-135m-transformer", "--out", "x", "--shared", "align", "--variant", "a"])
+
+
+def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
+    """Two distillations of the demo (learning rates far apart) run side by side on the CPU, each scored; the table
+    holds each one's distillation metrics and accuracy, read from its own folder."""
+    common = ["distill.data.max_samples=64", "distill.epochs=1", "distill.batch_size=8", "distill.logging_steps=1",
+              "grpo.enabled=false", "eval.benchmarks=[arithmetic]", "eval.limit=4", "eval.repeats=2"]
+    code = main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "slow", "distill.learning_rate=1e-5",
+                 "--variant", "fast"])
+    assert code == 0, [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
+    result = json.loads((tmp_path / "sweep.json").read_text())["variants"]
+    assert result["slow"]["overrides"] == ["distill.learning_rate=1e-5"] and result["fast"]["overrides"] == []
+    for name in ("slow", "fast"):
+        assert result[name]["returncode"] == 0 and set(result[name]["eval"]) == {"arithmetic"}
+        assert (tmp_path / name / "eval" / "summary.json").exists()
+    # the lower learning rate leaves the loss higher: each row is its own run's
+    assert result["slow"]["distill"]["loss"] > result["fast"]["distill"]["loss"]
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| slow | `distill.learning_rate=1e-5` |" in table and "| fast | (the recipe's) |" in table
+    assert table in capsys.readouterr().out
