@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeline.bench.sweep import Variant, commands, main, parse_variant
+from pipeline.bench.sweep import Variant, _run_all, commands, main, parse_variant
 
 
 def test_variants_start_from_the_shared_align_stage(tmp_path):
@@ -40,7 +40,7 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     common = ["distill.data.max_samples=64", "distill.epochs=1", "distill.batch_size=8", "distill.logging_steps=1",
               "grpo.enabled=false", "eval.benchmarks=[arithmetic]", "eval.limit=4", "eval.repeats=2"]
     code = main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "slow", "distill.learning_rate=1e-5",
-                 "--variant", "fast"])
+                 "--variant", "fast", "--parallel", "2"])
     assert code == 0, [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
     result = json.loads((tmp_path / "sweep.json").read_text())["variants"]
     assert result["slow"]["overrides"] == ["distill.learning_rate=1e-5"] and result["fast"]["overrides"] == []
@@ -52,3 +52,16 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     table = (tmp_path / "sweep.md").read_text()
     assert "| slow | `distill.learning_rate=1e-5` |" in table and "| fast | (the recipe's) |" in table
     assert table in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_no_more_variants_run_at_once_than_asked(tmp_path, parallel):
+    probe = ("import sys, time; t = time.time(); time.sleep(0.4); "
+             "open(sys.argv[1], 'a').write(f'{t} {time.time()}\\n')")
+    spans = tmp_path / "spans"
+    runs = {f"v{i}": [sys.executable, "-c", probe, str(spans)] for i in range(3)}
+    results = _run_all(runs, tmp_path, parallel)
+    assert all(r["returncode"] == 0 for r in results.values()) and (tmp_path / "v2.log").exists()
+    times = [tuple(map(float, line.split())) for line in spans.read_text().splitlines()]
+    most = max(sum(a < end and start < b for a, b in times) for start, end in times)
+    assert most == parallel

@@ -7,11 +7,13 @@
 ``--shared align`` runs the recipe's align stage once (its other stages off) into ``OUT/shared``; every variant then
 runs the rest of the recipe from that model (``--checkpoint``, its align stage off), each with its own overrides
 after the common ``--set`` ones, scoring its last model (``eval.models=[last]``). Without ``--shared`` each variant
-runs the whole recipe. The variants run at once, each a ``sse-pipeline run`` process with a Ray of its own, on the
-GPUs the sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer
-than one (one sweep per GPU with ``CUDA_VISIBLE_DEVICES``). Each keeps its usual folder, ``OUT/<variant>``, and its
-log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and ``OUT/sweep.json`` hold, per variant, its overrides, wall time, the
-last logged distillation metrics and each benchmark's avg@n with its 95% interval and the share of boxed answers.
+runs the whole recipe. The variants run side by side (``--parallel`` at a time, default all), each a
+``sse-pipeline run`` process with a Ray of its own, on the GPUs the sweep sees: a small model leaves the GPU waiting
+on its host, so variants side by side take little longer than one (one sweep per GPU with
+``CUDA_VISIBLE_DEVICES``; ``--parallel`` where their memory would not fit at once). Each keeps its usual folder,
+``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and ``OUT/sweep.json`` hold, per variant,
+its overrides, wall time, the last logged distillation metrics and each benchmark's avg@n with its 95% interval and
+the share of boxed answers.
 """
 
 from __future__ import annotations
@@ -70,23 +72,25 @@ def commands(recipe: str, out: Path, common: list[str], variants: list[Variant],
     return first, runs
 
 
-def _run_all(runs: dict[str, list[str]], out: Path) -> dict[str, dict]:
-    """Starts every command at once (its output to ``out/<name>.log``); waits, printing each as it ends."""
+def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, dict]:
+    """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``), printing each as it
+    ends; a variant's wall time counts from its own start."""
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}  # a Ray of its own for each
-    started, procs = time.time(), {}
-    for name, argv in runs.items():
-        log = (out / f"{name}.log").open("w")
-        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-    results = {}
-    while procs:
-        for name, (proc, log) in list(procs.items()):
+    waiting, procs, results = list(runs), {}, {}
+    while waiting or procs:
+        while waiting and len(procs) < parallel:
+            name = waiting.pop(0)
+            log = (out / f"{name}.log").open("w")
+            procs[name] = (subprocess.Popen(runs[name], stdout=log, stderr=subprocess.STDOUT, env=env), log,
+                           time.time())
+        for name, (proc, log, started) in list(procs.items()):
             if proc.poll() is None:
                 continue
             log.close()
             results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started}
-            print(f"{name}: {'done' if proc.returncode == 0 else f'failed ({proc.returncode})'} after "
-                  f"{results[name]['wall_s']:.0f} s; {len(procs) - 1} running", flush=True)
             del procs[name]
+            print(f"{name}: {'done' if proc.returncode == 0 else f'failed ({proc.returncode})'} in "
+                  f"{results[name]['wall_s']:.0f} s; {len(procs)} running, {len(waiting)} waiting", flush=True)
         time.sleep(1)
     return results
 
@@ -130,7 +134,7 @@ def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], 
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Every variant: {' '.join(f'`{o}`' for o in common) or 'the recipe as it is'}"
               + (f", from the shared {shared} stage's model." if shared else "."),
-              "Wall time from the start of the variants (all at once); accuracies in %."]
+              "Wall time of each variant from its own start; accuracies in %."]
     return "\n".join(lines) + "\n"
 
 
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="overrides of every run, the shared one included")
     parser.add_argument("--variant", dest="variants", nargs="+", action="append", required=True,
                         metavar="NAME [KEY=VALUE", help="a variant: its name, then its overrides")
+    parser.add_argument("--parallel", type=int, default=None,
+                        help="variants running at once (default: all; fewer where their memory would not fit)")
     args = parser.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]
     names = [v.name for v in variants]
@@ -169,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shared {args.shared} failed ({code}): see {args.out / 'shared.log'}", file=sys.stderr)
             return code
         print(f"shared {args.shared}: done in {time.time() - start:.0f} s", flush=True)
-    print(f"{len(runs)} variants at once: {', '.join(runs)}", flush=True)
-    results = _run_all(runs, args.out)
+    parallel = args.parallel or len(runs)
+    print(f"{len(runs)} variants, {parallel} at a time: {', '.join(runs)}", flush=True)
+    results = _run_all(runs, args.out, parallel)
     rows = {name: {**results[name], **collect(args.out / name)} for name in runs}
     table = markdown(rows, variants, args.common, args.shared)
     atomic_write(args.out / "sweep.md", table)
