@@ -21,6 +21,11 @@ def test_variants_start_from_the_shared_align_stage(tmp_path):
     assert runs["kl"] == [*run, f"output_dir={tmp_path / 'kl'}", "grpo.enabled=false", "eval.models=[last]",
                           "distill.teacher_kl=0.9", "align.enabled=false", "--checkpoint",
                           str(tmp_path / "shared" / "align" / "final")]
+    # variants of GRPO: align and distillation shared
+    first, runs = commands("smollm2-135m", tmp_path, [], [Variant("a")], "distill")
+    assert first[5:] == [f"output_dir={tmp_path / 'shared'}", "grpo.enabled=false", "eval.enabled=false"]
+    assert runs["a"][-4:] == ["align.enabled=false", "distill.enabled=false", "--checkpoint",
+                              str(tmp_path / "shared" / "distill" / "final")]
     assert commands("demo", tmp_path, [], [Variant("a")], None)[0] is None
 
 

@@ -6,10 +6,11 @@
 
 ``--shared align`` runs the recipe's align stage once (its other stages off) into ``OUT/shared``; every variant then
 runs the rest of the recipe from that model (``--checkpoint``, its align stage off), each with its own overrides
-after the common ``--set`` ones, scoring its last model (``eval.models=[last]``). Without ``--shared`` each variant
-runs the whole recipe. The variants run side by side (``--parallel`` at a time, default all), each a
-``sse-pipeline run`` process with a Ray of its own, on the GPUs the sweep sees: a small model leaves the GPU waiting
-on its host, so variants side by side take little longer than one (one sweep per GPU with
+after the common ``--set`` ones, scoring its last model (``eval.models=[last]``). ``--shared distill`` shares align
+and distillation (variants of GRPO), ``--shared grpo`` every training stage (variants of the evaluation). Without
+``--shared`` each variant runs the whole recipe. The variants run side by side (``--parallel`` at a time, default
+all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the sweep sees: a small model leaves the
+GPU waiting on its host, so variants side by side take little longer than one (one sweep per GPU with
 ``CUDA_VISIBLE_DEVICES``; ``--parallel`` where their memory would not fit at once). Each keeps its usual folder,
 ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and ``OUT/sweep.json`` hold, per variant,
 its overrides, wall time, the last logged distillation metrics and each benchmark's avg@n with its 95% interval and
@@ -36,6 +37,9 @@ from ..recipe import load_recipe
 DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy")
 
 
+SHAREABLE = ("align", "distill", "grpo")  # the training stages in order: a shared run stops after one of them
+
+
 @dataclass
 class Variant:
     name: str
@@ -54,22 +58,31 @@ def parse_variant(values: list[str]) -> Variant:
     return Variant(name, overrides)
 
 
+def shared_overrides(shared: str) -> tuple[list[str], list[str]]:
+    """What turns the recipe into the shared run (the stages after ``shared`` off) and into a variant's (``shared``
+    and the stages before it off: the variant starts from the shared run's model)."""
+    if shared not in SHAREABLE:
+        raise ValueError(f"--shared {shared}: one of {SHAREABLE} (the stages before the variants differ)")
+    cut = SHAREABLE.index(shared) + 1
+    return ([f"{s}.enabled=false" for s in (*SHAREABLE[cut:], "eval")],
+            [f"{s}.enabled=false" for s in SHAREABLE[:cut]])
+
+
+def variant_overrides(common: list[str], variant: Variant, shared: str | None) -> list[str]:
+    """A variant's overrides: the common ones, its last model scored, its own, the shared stages off."""
+    return [*common, "eval.models=[last]", *variant.overrides, *(shared_overrides(shared)[1] if shared else [])]
+
+
 def commands(recipe: str, out: Path, common: list[str], variants: list[Variant], shared: str | None
              ) -> tuple[list[str] | None, dict[str, list[str]]]:
     """The shared run's command (None without ``shared``) and each variant's, as ``sse-pipeline run`` argv."""
     run = [sys.executable, "-m", "pipeline.cli", "run", recipe]
-    first = None
-    start: list[str] = []
-    if shared == "align":
-        first = [*run, f"output_dir={out / 'shared'}", *common, "distill.enabled=false", "grpo.enabled=false",
-                 "eval.enabled=false"]
-        start = ["align.enabled=false", "--checkpoint", str(out / "shared" / "align" / "final")]
-    elif shared is not None:
-        raise ValueError(f"--shared {shared}: only align can be shared (the stage before the variants differ)")
-    runs = {}
-    for v in variants:
-        runs[v.name] = [*run, f"output_dir={out / v.name}", *common, "eval.models=[last]", *v.overrides, *start]
-    return first, runs
+    first, start = None, []
+    if shared is not None:
+        first = [*run, f"output_dir={out / 'shared'}", *common, *shared_overrides(shared)[0]]
+        start = ["--checkpoint", str(out / "shared" / shared / "final")]
+    return first, {v.name: [*run, f"output_dir={out / v.name}", *variant_overrides(common, v, shared), *start]
+                   for v in variants}
 
 
 def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, dict]:
@@ -142,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="recipe name or YAML path")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shared", choices=["align"], default=None, help="the stage the variants share")
+    parser.add_argument("--shared", choices=SHAREABLE, default=None,
+                        help="the last stage the variants share (it and the stages before it run once)")
     parser.add_argument("--set", dest="common", nargs="+", default=[], metavar="KEY=VALUE",
                         help="overrides of every run, the shared one included")
     parser.add_argument("--variant", dest="variants", nargs="+", action="append", required=True,
@@ -154,15 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         parser.error(f"--variant: a name given twice: {names}")
-    if args.shared == "align":
+    if args.shared:
         from ..run import stage_runs
 
-        if not stage_runs(load_recipe(args.recipe, args.common), "align"):
-            parser.error(f"--shared align: {args.recipe} has no align stage to share (it converts no layer into SSE, "
-                         "or align.enabled is false); leave --shared out")
+        if not stage_runs(load_recipe(args.recipe, args.common), args.shared):
+            parser.error(f"--shared {args.shared}: {args.recipe} does not run its {args.shared} stage (disabled, or "
+                         "for align: it converts no layer into SSE); share an earlier stage or none")
     for v in variants:  # every variant's recipe is checked before anything runs
-        load_recipe(args.recipe, [f"output_dir={args.out / v.name}", *args.common, "eval.models=[last]",
-                                  *v.overrides, *(["align.enabled=false"] if args.shared else [])])
+        load_recipe(args.recipe, [f"output_dir={args.out / v.name}", *variant_overrides(args.common, v, args.shared)])
     args.out.mkdir(parents=True, exist_ok=True)
     first, runs = commands(args.recipe, args.out, args.common, variants, args.shared)
     if first is not None:
