@@ -369,6 +369,10 @@ class Recipe:
         r = g.rewards
         if g.enabled and not (r.accuracy or r.format or r.overlong):
             fail("grpo.rewards", "every reward weight (accuracy, format, overlong) is 0: GRPO would learn nothing")
+        if g.enabled and r.overlong and not 0 < r.overlong_cache <= g.max_completion_length:
+            fail("grpo.rewards.overlong_cache", f"the penalty ramps over the last overlong_cache tokens of "
+                 f"grpo.max_completion_length ({g.max_completion_length}): need 0 < overlong_cache <= it, got "
+                 f"{r.overlong_cache}")
         if g.dynamic_sampling and g.loss_type != "dapo":
             # a batch still short after max_sampling_rounds is filled with groups masked out of the loss; dapo divides
             # by the batch's real tokens, the others by rows or per micro-batch, where the filler shrinks the step

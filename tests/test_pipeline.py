@@ -261,6 +261,7 @@ def test_a_data_mix_adds_each_sources_rows_with_its_own_fields(tmp_path):
     ("model.preset=sse-h-3b", "model.preset"),
     ("eval.models=[distil]", "eval.models"),
     ("eval.models=[align]", "eval.models"),  # the demo converts nothing: no align stage
+    ("grpo.rewards.overlong=1.0", "grpo.rewards.overlong_cache"),  # the default 4096 ramp over 40 tokens
     ("eval.models=[last,last]", "eval.models"),
     ("distill.teacher_kl=0.5", "distill.teacher_kl"),  # no converted Transformer to learn from
     ("align.lr_scheduler=cosin", "align.lr_scheduler"),
