@@ -18,7 +18,7 @@ def test_variants_start_from_the_shared_align_stage(tmp_path):
     run = [sys.executable, "-m", "pipeline.cli", "run", "smollm2-135m"]
     assert first == [*run, f"output_dir={tmp_path / 'shared'}", "grpo.enabled=false", "distill.enabled=false",
                      "grpo.enabled=false", "eval.enabled=false"]
-    assert runs["kl"] == [*run, f"output_dir={tmp_path / 'kl'}", "grpo.enabled=false", "eval.models=[last]",
+    assert runs["kl"] == [*run, f"output_dir={tmp_path / 'kl'}", "eval.models=[last]", "grpo.enabled=false",
                           "distill.teacher_kl=0.9", "align.enabled=false", "--checkpoint",
                           str(tmp_path / "shared" / "align" / "final")]
     # variants of GRPO: align and distillation shared
@@ -43,19 +43,22 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     """Two distillations of the demo (learning rates far apart) run side by side on the CPU, each scored; the table
     holds each one's distillation metrics and accuracy, read from its own folder."""
     common = ["distill.data.max_samples=64", "distill.epochs=1", "distill.batch_size=8", "distill.logging_steps=1",
-              "grpo.enabled=false", "eval.benchmarks=[arithmetic]", "eval.limit=4", "eval.repeats=2"]
+              "grpo.steps=2", "grpo.save_steps=2", "grpo.prompts_per_batch=4", "grpo.num_generations=4",
+              "eval.models=[last,distill]", "eval.benchmarks=[arithmetic]", "eval.limit=4", "eval.repeats=2"]
     code = main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "slow", "distill.learning_rate=1e-5",
                  "--variant", "fast", "--parallel", "2"])
     assert code == 0, [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
     result = json.loads((tmp_path / "sweep.json").read_text())["variants"]
     assert result["slow"]["overrides"] == ["distill.learning_rate=1e-5"] and result["fast"]["overrides"] == []
-    for name in ("slow", "fast"):
-        assert result[name]["returncode"] == 0 and set(result[name]["eval"]) == {"arithmetic"}
-        assert (tmp_path / name / "eval" / "summary.json").exists()
+    for name in ("slow", "fast"):  # the GRPO model and, as --set asks, the distilled one
+        assert result[name]["returncode"] == 0 and set(result[name]["eval"]) == {"last", "distill"}
+        assert set(result[name]["eval"]["distill"]) == {"arithmetic"}
+        assert set(result[name]["grpo"]) == {"reward", "completion tokens", "clipped"}
     # the lower learning rate leaves the loss higher: each row is its own run's
     assert result["slow"]["distill"]["loss"] > result["fast"]["distill"]["loss"]
     table = (tmp_path / "sweep.md").read_text()
     assert "| slow | `distill.learning_rate=1e-5` |" in table and "| fast | (the recipe's) |" in table
+    assert "| fast | distill | " in table and "| slow | last | " in table
     assert table in capsys.readouterr().out
 
 

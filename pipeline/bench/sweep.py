@@ -6,15 +6,16 @@
 
 ``--shared align`` runs the recipe's align stage once (its other stages off) into ``OUT/shared``; every variant then
 runs the rest of the recipe from that model (``--checkpoint``, its align stage off), each with its own overrides
-after the common ``--set`` ones, scoring its last model (``eval.models=[last]``). ``--shared distill`` shares align
-and distillation (variants of GRPO), ``--shared grpo`` every training stage (variants of the evaluation). Without
-``--shared`` each variant runs the whole recipe. The variants run side by side (``--parallel`` at a time, default
-all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the sweep sees: a small model leaves the
-GPU waiting on its host, so variants side by side take little longer than one (one sweep per GPU with
-``CUDA_VISIBLE_DEVICES``; ``--parallel`` where their memory would not fit at once). Each keeps its usual folder,
-``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and ``OUT/sweep.json`` hold, per variant,
-its overrides, wall time, the last logged distillation metrics and each benchmark's avg@n with its 95% interval and
-the share of boxed answers.
+after the common ``--set`` ones, scoring its last model (``eval.models=[last]``, or the models ``--set`` names).
+``--shared distill`` shares align and distillation (variants of GRPO), ``--shared grpo`` every training stage
+(variants of the evaluation). Without ``--shared`` each variant runs the whole recipe. The variants run side by side
+(``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the
+sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer than one
+(one sweep per GPU with ``CUDA_VISIBLE_DEVICES``; ``--parallel`` where their memory would not fit at once). Each
+keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
+``OUT/sweep.json`` hold, per variant, its overrides, wall time, the last logged distillation metrics, GRPO's reward
+and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval and the share of
+boxed answers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..recipe import load_recipe
 
 # the distillation's last logged values: its loss (CE, or the mix with the teacher's KL), and with a teacher both parts
 DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy")
+GRPO_KEYS = {"reward": "reward", "completion tokens": "completions/mean_length", "clipped": "completions/clipped_ratio"}
 
 
 SHAREABLE = ("align", "distill", "grpo")  # the training stages in order: a shared run stops after one of them
@@ -69,8 +71,9 @@ def shared_overrides(shared: str) -> tuple[list[str], list[str]]:
 
 
 def variant_overrides(common: list[str], variant: Variant, shared: str | None) -> list[str]:
-    """A variant's overrides: the common ones, its last model scored, its own, the shared stages off."""
-    return [*common, "eval.models=[last]", *variant.overrides, *(shared_overrides(shared)[1] if shared else [])]
+    """A variant's overrides: its last model scored (unless the common ones or its own name more), the common ones,
+    its own, the shared stages off."""
+    return ["eval.models=[last]", *common, *variant.overrides, *(shared_overrides(shared)[1] if shared else [])]
 
 
 def commands(recipe: str, out: Path, common: list[str], variants: list[Variant], shared: str | None
@@ -108,46 +111,79 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, 
     return results
 
 
+def _first_last(rows: list[dict], key: str, k: int = 8) -> tuple[float, float] | None:
+    """Means of ``key`` over the first and the last ``k`` logged rows that hold it (GRPO's curves are noisy)."""
+    values = [r[key] for r in rows if key in r]
+    if not values:
+        return None
+    k = min(k, len(values))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def _benchmarks(summary: Path) -> dict:
+    out = {}
+    for name, m in json.loads(summary.read_text())["benchmarks"].items():
+        n = m["repeats"]
+        out[name] = {"avg": m[f"avg@{n}"], "ci95": m[f"avg@{n}_ci95"], "n": n, "boxed_rate": m.get("boxed_rate")}
+    return out
+
+
 def collect(folder: Path) -> dict:
-    """What a finished variant left: the last logged distillation metrics and the evaluation of its last model."""
+    """What a finished variant left: the last logged distillation metrics, GRPO's reward, completion length and
+    clipped share (first and last logs), and every evaluation (``eval/``: its last model; ``eval/<name>/``: the
+    others ``eval.models`` named)."""
     row: dict = {}
     logged = read_metrics(folder / "distill" / "metrics.jsonl")
     last = {k: next(r[k] for r in reversed(logged) if k in r) for k in DISTILL_KEYS if any(k in r for r in logged)}
     if last:
         row["distill"] = last
-    summary = folder / "eval" / "summary.json"
-    if summary.exists():
-        row["eval"] = {}
-        for name, m in json.loads(summary.read_text())["benchmarks"].items():
-            n = m["repeats"]
-            row["eval"][name] = {"avg": m[f"avg@{n}"], "ci95": m[f"avg@{n}_ci95"], "n": n,
-                                 "boxed_rate": m.get("boxed_rate")}
+    grpo = read_metrics(folder / "grpo" / "metrics.jsonl")
+    curves = {name: _first_last(grpo, key) for name, key in GRPO_KEYS.items()}
+    if any(curves.values()):
+        row["grpo"] = {name: value for name, value in curves.items() if value is not None}
+    evals = {}
+    if (folder / "eval" / "summary.json").exists():
+        evals["last"] = _benchmarks(folder / "eval" / "summary.json")
+    for summary in sorted((folder / "eval").glob("*/summary.json")):
+        evals[summary.parent.name] = _benchmarks(summary)
+    if evals:
+        row["eval"] = evals
     return row
 
 
+def _cell(e: dict | None) -> str:
+    if e is None:
+        return ""
+    low, high = e["ci95"]
+    boxed = "" if e["boxed_rate"] is None else f", {100 * e['boxed_rate']:.0f}%"
+    return f"{100 * e['avg']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={e['n']}{boxed}"
+
+
 def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], shared: str | None) -> str:
-    benchmarks = list(dict.fromkeys(b for r in rows.values() for b in r.get("eval", {})))
-    lines = ["| variant | overrides | wall s | distill loss | CE | KL to teacher | token acc | "
-             + " | ".join(f"{b} avg@n (95% CI), boxed" for b in benchmarks) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(benchmarks)]
+    """Two tables: each variant's training (distillation's last logged metrics, GRPO's curves), and each evaluated
+    model's accuracies."""
+    lines = ["| variant | overrides | wall s | distill loss | CE | KL to teacher | token acc | GRPO reward "
+             "| completion tokens | clipped |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = rows[v.name]
-        d = r.get("distill", {})
+        d, g = r.get("distill", {}), r.get("grpo", {})
         cells = [v.name, " ".join(f"`{o}`" for o in v.overrides) or "(the recipe's)",
                  f"{r['wall_s']:.0f}" + ("" if r["returncode"] == 0 else f" (failed, {r['returncode']})")]
         cells += [f"{d[k]:.3f}" if k in d else "" for k in DISTILL_KEYS]
-        for b in benchmarks:
-            e = r.get("eval", {}).get(b)
-            if e is None:
-                cells.append("")
-                continue
-            boxed = "" if e["boxed_rate"] is None else f", {100 * e['boxed_rate']:.0f}%"
-            low, high = e["ci95"]
-            cells.append(f"{100 * e['avg']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={e['n']}{boxed}")
+        cells += [f"{g[k][0]:.3f} -> {g[k][1]:.3f}" if k in g else "" for k in ("reward",)]
+        cells += [f"{g[k][0]:.0f} -> {g[k][1]:.0f}" if k in g else "" for k in ("completion tokens",)]
+        cells += [f"{100 * g['clipped'][1]:.0f}%" if "clipped" in g else ""]
         lines.append("| " + " | ".join(cells) + " |")
+    evaluated = [(v.name, model, bench) for v in variants for model, bench in rows[v.name].get("eval", {}).items()]
+    benchmarks = list(dict.fromkeys(b for *_, bench in evaluated for b in bench))
+    lines += ["", "| variant | model | " + " | ".join(f"{b} avg@n (95% CI), boxed" for b in benchmarks) + " |",
+              "|---|---|" + "---|" * len(benchmarks)]
+    for name, model, bench in evaluated:
+        lines.append(f"| {name} | {model} | " + " | ".join(_cell(bench.get(b)) for b in benchmarks) + " |")
     lines += ["", f"Every variant: {' '.join(f'`{o}`' for o in common) or 'the recipe as it is'}"
               + (f", from the shared {shared} stage's model." if shared else "."),
-              "Wall time of each variant from its own start; accuracies in %."]
+              "Wall time of each variant from its own start; GRPO: the mean of the first and of the last 8 logged "
+              "steps (clipped: the last 8); accuracies in %, boxed: the share of answers given in a box."]
     return "\n".join(lines) + "\n"
 
 
