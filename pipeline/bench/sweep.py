@@ -39,6 +39,8 @@ DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy")
 GRPO_KEYS = {"reward": "reward", "completion tokens": "completions/mean_length", "clipped": "completions/clipped_ratio"}
 
 
+RUN_ENV = {"RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}  # each run a Ray of its own, whatever else runs
+STATUS_EVERY_S = 60
 SHAREABLE = ("align", "distill", "grpo")  # the training stages in order: a shared run stops after one of them
 
 
@@ -91,9 +93,14 @@ def commands(recipe: str, out: Path, common: list[str], variants: list[Variant],
 def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, dict]:
     """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``), printing each as it
     ends; a variant's wall time counts from its own start."""
-    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}  # a Ray of its own for each
+    env = {**os.environ, **RUN_ENV}
     waiting, procs, results = list(runs), {}, {}
+    start, shown = time.time(), time.time()
     while waiting or procs:
+        if time.time() - shown >= STATUS_EVERY_S:  # a line a minute while the variants run (their logs hold more)
+            shown = time.time()
+            print(f"sweep: {len(results)} done, running {', '.join(procs)}, {len(waiting)} waiting; "
+                  f"{(shown - start) / 60:.1f} min", flush=True)
         while waiting and len(procs) < parallel:
             name = waiting.pop(0)
             log = (out / f"{name}.log").open("w")
@@ -219,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.time()
         with (args.out / "shared.log").open("w") as log:
             code = subprocess.run(first, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                                  env={**os.environ, **RUN_ENV}).returncode
         if code:
             print(f"shared {args.shared} failed ({code}): see {args.out / 'shared.log'}", file=sys.stderr)
             return code
