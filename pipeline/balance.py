@@ -13,12 +13,15 @@ import torch
 
 
 class BalanceLossMixin:
-    """Put first in the bases: ``class SSESFTTrainer(BalanceLossMixin, SFTTrainer)``."""
+    """Put first in the bases: ``class SSESFTTrainer(BalanceLossMixin, SFTTrainer)``. ``balance_loss_coef``: the
+    weight of the balance loss in this trainer's loss; None: the model's ``aux_loss_coef``."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, balance_loss_coef: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        self.balance_loss_coef = float(getattr(model.config, "aux_loss_coef", 0.0) or 0.0)
+        if balance_loss_coef is None:
+            balance_loss_coef = getattr(model.config, "aux_loss_coef", 0.0) or 0.0
+        self.balance_loss_coef = float(balance_loss_coef)
         self._balance_losses: list[torch.Tensor] | None = None  # a list only while compute_loss runs
         model.get_submodule(model.base_model_prefix).register_forward_hook(self._keep_balance_loss)
 

@@ -198,6 +198,10 @@ class GRPOStageConfig:
     epsilon_high: float | None = bounded(0.28, gt=0)
     beta: float = bounded(0.0, ge=0)
     mask_truncated_completions: bool = True
+    # weight of the SSE partition-balance loss in GRPO's loss; None: the model's aux_loss_coef (the paper's 0.01), as
+    # in distillation. Its gradient reaches every layer below the routers, and a policy gradient from few
+    # informative groups is small beside it
+    balance_loss_coef: float | None = bounded(None, ge=0)
     # DAPO dynamic sampling: resample until the batch holds prompts_per_batch groups whose accuracy varies
     dynamic_sampling: bool = True
     max_sampling_rounds: int = bounded(3, ge=1, le=16)  # generation rounds per batch at most (le: MAX_SAMPLING_ROUNDS)

@@ -481,6 +481,42 @@ def test_distillation_loss_includes_the_sse_balance_loss(tmp_path):
     assert trainer._metrics["train"]["balance_loss"] == [pytest.approx(balance.item(), rel=1e-5)]
 
 
+def test_grpo_weighs_the_balance_loss_as_its_recipe_says(tmp_path):
+    """``grpo.balance_loss_coef``: the partition-balance loss's weight in GRPO's loss (None: the model's 0.01). At 0
+    the loss is the policy loss alone; the balance loss is still logged."""
+    import torch
+    from datasets import Dataset
+
+    from pipeline.models import TRAINING_DTYPE, load_model, resolve_device
+    from pipeline.stages.grpo import SSEGRPOTrainer, grpo_config
+
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    losses = {}
+    for coef in (None, 0.0):
+        overrides = ["grpo.prompts_per_batch=2", "grpo.num_generations=2"]
+        recipe = load_recipe("demo", overrides + ([] if coef is None else [f"grpo.balance_loss_coef={coef}"]))
+        assert recipe.grpo.balance_loss_coef == coef
+        model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
+        trainer = SSEGRPOTrainer(model=model, reward_funcs=[zero], train_dataset=Dataset.from_list([{"prompt": "1"}]),
+                                 args=grpo_config(recipe, tmp_path, resolve_device("cpu")), processing_class=tokenizer,
+                                 fleet=None, balance_loss_coef=recipe.grpo.balance_loss_coef)
+        assert trainer.balance_loss_coef == (0.01 if coef is None else coef)
+        ids = torch.randint(5, 60, (2, 8), generator=torch.Generator().manual_seed(0))
+        inputs = {"prompt_ids": ids[:, :4], "prompt_mask": torch.ones(2, 4, dtype=torch.long),
+                  "completion_ids": ids[:, 4:], "completion_mask": torch.ones(2, 4, dtype=torch.long),
+                  "advantages": torch.tensor([1.0, -1.0]), "num_items_in_batch": torch.tensor(8)}
+        trainer.current_gradient_accumulation_steps = 1
+        model.train()
+        with torch.no_grad():
+            losses[coef] = trainer.compute_loss(model, inputs)
+        balance = trainer._metrics["train"]["balance_loss"][-1]
+        assert balance > 0
+    # same weights (seed 0): the two losses differ by exactly the balance term the default adds
+    assert torch.allclose(losses[None] - losses[0.0], torch.tensor(0.01 * balance), rtol=1e-4)
+
+
 def test_padding_free_grpo_loss_and_gradients_equal_the_padded_pass(tmp_path):
     """GRPO's loss pass on packed rows of real tokens (SSE layers reset per row, attention per row) gives the loss,
     the log-probs and every gradient of TRL's padded pass, for rows whose prompts and completions differ in length,

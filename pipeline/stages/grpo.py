@@ -122,8 +122,7 @@ def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier, end_ids:
     candidates = [(cfg.accuracy, "accuracy", lambda: AccuracyReward(verifier)),
                   (cfg.format, "format", lambda: FormatReward(cfg.format_min_reasoning_chars)),
                   (cfg.overlong, "overlong", lambda: OverlongPenalty(recipe.grpo.max_completion_length,
-                                                                     min(cfg.overlong_cache,
-                                                                         recipe.grpo.max_completion_length)))]
+                                                                     cfg.overlong_cache))]
     for weight, name, make in candidates:
         if weight:
             reward = make()
@@ -400,6 +399,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
             if is_main_process() else [],
             fleet=fleet,
             timer=timer,
+            balance_loss_coef=cfg.balance_loss_coef,
         )
         if resume is not None:
             logger.info("grpo: resuming from %s", resume)
