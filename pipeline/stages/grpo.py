@@ -399,7 +399,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
             if is_main_process() else [],
             fleet=fleet,
             timer=timer,
-            balance_loss_coef=cfg.balance_loss_coef,
+            balance_loss_coef=recipe.grpo.balance_loss_coef,
         )
         if resume is not None:
             logger.info("grpo: resuming from %s", resume)
