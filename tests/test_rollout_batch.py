@@ -129,8 +129,9 @@ def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path, caplog):
     TRL's warning about rows without a reward (a whole prompt and completion per batch) stays out of the log."""
     right, wrong, cut = "So \\boxed{2}", "So \\boxed{4}", "so so so ..."
     trainer, inputs = grpo_trainer(tmp_path, [[right, wrong, wrong, wrong, cut, cut, cut, cut]], [
-        "grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0", "grpo.rewards.format=0.0",
-        "grpo.dynamic_sampling=false", "grpo.importance_sampling=none", "grpo.max_completion_length=16"])
+        "grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0", "grpo.rewards.overlong_cache=16",
+        "grpo.rewards.format=0.0", "grpo.dynamic_sampling=false", "grpo.importance_sampling=none",
+        "grpo.max_completion_length=16"])
     with caplog.at_level("WARNING"):
         batch = trainer._generate_and_score_completions(inputs)
     assert not [r for r in caplog.records if "returned None" in r.getMessage()]
