@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eval.report import atomic_write
 
-from .metrics import moving_average, read_metrics
+from .metrics import first_last_means, moving_average, read_metrics
 
 # what produced a model, read off the path of the checkpoint an evaluation names (its ``model`` field)
 STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distillation"),
@@ -103,9 +103,10 @@ def markdown(runs: list[Run]) -> str:
               "|---|---|---|---|---|"]
     for run in runs:
         reward = run.curves.get("reward", [])
-        k = max(1, len(reward) // 5)
-        change = (f"{sum(v for _, v in reward[:k]) / k:.3f} -> {sum(v for _, v in reward[-k:]) / k:.3f} (mean of {k})"
-                  if reward else "")
+        change = ""
+        if reward:
+            first, last, k = first_last_means([v for _, v in reward])
+            change = f"{first:.3f} -> {last:.3f} (mean of {k})"
         rate = f"{run.tokens_per_s:,.0f}" if run.tokens_per_s else ""
         state = f"{run.state_bytes / 2**20:.2f} MiB" if run.state_bytes is not None else ""
         lines.append(f"| {run.label} | {reward[-1][0] if reward else ''} | {change} | {rate} | {state} |")

@@ -101,6 +101,13 @@ def read_metrics(path: Path) -> list[dict]:
     return read_jsonl(path)
 
 
+def first_last_means(values: list[float], k: int | None = None) -> tuple[float, float, int]:
+    """Means of the first and of the last ``k`` values (default a fifth of them) and ``k``: where a noisy curve
+    (GRPO's reward) started and ended."""
+    k = max(1, min(len(values), k if k is not None else len(values) // 5))
+    return sum(values[:k]) / k, sum(values[-k:]) / k, k
+
+
 def moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` points (the first points average what there is)."""
     out, total = [], 0.0

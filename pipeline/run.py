@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .checkpoints import DONE, is_done, latest_complete_checkpoint, save_final
 from .distributed import is_main_process, run_data_parallel, world
 from .lock import RunLock
-from .metrics import read_metrics
+from .metrics import first_last_means, read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
 from .placement import GRPOPlacement, plan_grpo, reserve
 from .recipe import Recipe, RecipeError, recipe_to_dict, stage_settings
@@ -405,9 +405,9 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
         if stage == "grpo" and rows:
             rewards = [r["reward"] for r in rows if "reward" in r]
             if rewards:
-                k = max(1, len(rewards) // 5)
-                highlight = (f"reward (mean of first/last {k} logs) {sum(rewards[:k]) / k:.3f} -> "
-                             f"{sum(rewards[-k:]) / k:.3f}; curve: `grpo/reward_curve.png`")
+                first, last, k = first_last_means(rewards)
+                highlight = (f"reward (mean of first/last {k} logs) {first:.3f} -> {last:.3f}; "
+                             "curve: `grpo/reward_curve.png`")
         if stage == "eval":
             parts = []
             for name in recipe.eval.models:  # the last model's scores, then those of the other models scored

@@ -64,7 +64,8 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
 
 @pytest.mark.parametrize("parallel", [1, 3])
 def test_no_more_variants_run_at_once_than_asked(tmp_path, parallel):
-    probe = ("import sys, time; t = time.time(); time.sleep(0.4); "
+    """Each command records when it slept (1.5 s: longer than a loaded machine takes to start the next Python)."""
+    probe = ("import sys, time; t = time.time(); time.sleep(1.5); "
              "open(sys.argv[1], 'a').write(f'{t} {time.time()}\\n')")
     spans = tmp_path / "spans"
     runs = {f"v{i}": [sys.executable, "-c", probe, str(spans)] for i in range(3)}

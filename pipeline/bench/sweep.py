@@ -31,14 +31,13 @@ from pathlib import Path
 
 from eval.report import atomic_write
 
-from ..metrics import read_metrics
+from ..metrics import first_last_means, read_metrics
 from ..recipe import load_recipe
 
 # the distillation's last logged values: its loss (CE, or the mix with the teacher's KL), and with a teacher both parts
 DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy")
 GRPO_KEYS = {"reward": "reward", "completion tokens": "completions/mean_length", "clipped": "completions/clipped_ratio"}
-
-
+GRPO_LOGS = 8  # GRPO's curves are noisy: the mean of the first and of the last 8 logged steps
 RUN_ENV = {"RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}  # each run a Ray of its own, whatever else runs
 STATUS_EVERY_S = 60
 SHAREABLE = ("align", "distill", "grpo")  # the training stages in order: a shared run stops after one of them
@@ -118,15 +117,6 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, 
     return results
 
 
-def _first_last(rows: list[dict], key: str, k: int = 8) -> tuple[float, float] | None:
-    """Means of ``key`` over the first and the last ``k`` logged rows that hold it (GRPO's curves are noisy)."""
-    values = [r[key] for r in rows if key in r]
-    if not values:
-        return None
-    k = min(k, len(values))
-    return sum(values[:k]) / k, sum(values[-k:]) / k
-
-
 def _benchmarks(summary: Path) -> dict:
     out = {}
     for name, m in json.loads(summary.read_text())["benchmarks"].items():
@@ -145,9 +135,9 @@ def collect(folder: Path) -> dict:
     if last:
         row["distill"] = last
     grpo = read_metrics(folder / "grpo" / "metrics.jsonl")
-    curves = {name: _first_last(grpo, key) for name, key in GRPO_KEYS.items()}
+    curves = {name: [r[key] for r in grpo if key in r] for name, key in GRPO_KEYS.items()}
     if any(curves.values()):
-        row["grpo"] = {name: value for name, value in curves.items() if value is not None}
+        row["grpo"] = {name: first_last_means(values, GRPO_LOGS)[:2] for name, values in curves.items() if values}
     evals = {}
     if (folder / "eval" / "summary.json").exists():
         evals["last"] = _benchmarks(folder / "eval" / "summary.json")
@@ -177,9 +167,10 @@ def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], 
         cells = [v.name, " ".join(f"`{o}`" for o in v.overrides) or "(the recipe's)",
                  f"{r['wall_s']:.0f}" + ("" if r["returncode"] == 0 else f" (failed, {r['returncode']})")]
         cells += [f"{d[k]:.3f}" if k in d else "" for k in DISTILL_KEYS]
-        cells += [f"{g[k][0]:.3f} -> {g[k][1]:.3f}" if k in g else "" for k in ("reward",)]
-        cells += [f"{g[k][0]:.0f} -> {g[k][1]:.0f}" if k in g else "" for k in ("completion tokens",)]
-        cells += [f"{100 * g['clipped'][1]:.0f}%" if "clipped" in g else ""]
+        reward, length, clipped = (g.get(k) for k in GRPO_KEYS)
+        cells += [f"{reward[0]:.3f} -> {reward[1]:.3f}" if reward else "",
+                  f"{length[0]:.0f} -> {length[1]:.0f}" if length else "",
+                  f"{100 * clipped[1]:.0f}%" if clipped else ""]
         lines.append("| " + " | ".join(cells) + " |")
     evaluated = [(v.name, model, bench) for v in variants for model, bench in rows[v.name].get("eval", {}).items()]
     benchmarks = list(dict.fromkeys(b for *_, bench in evaluated for b in bench))
