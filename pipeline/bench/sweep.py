@@ -11,7 +11,9 @@ after the common ``--set`` ones, scoring its last model (``eval.models=[last]``,
 (variants of the evaluation). Without ``--shared`` each variant runs the whole recipe. The variants run side by side
 (``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the
 sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer than one
-(one sweep per GPU with ``CUDA_VISIBLE_DEVICES``; ``--parallel`` where their memory would not fit at once). Each
+(``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
+the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that a variant alone on its GPU
+times what the recipe alone would. Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
 ``OUT/sweep.json`` hold, per variant, its overrides, wall time, the last logged distillation metrics, GRPO's reward
 and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval and the share of
@@ -89,11 +91,17 @@ def commands(recipe: str, out: Path, common: list[str], variants: list[Variant],
                    for v in variants}
 
 
-def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, dict]:
-    """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``), printing each as it
-    ends; a variant's wall time counts from its own start."""
+def least_busy(gpus: list[str], running: list[str]) -> str:
+    """The GPU of ``gpus`` that the fewest of ``running`` (each run's GPU) use; the first of those on a tie."""
+    return min(gpus, key=running.count)
+
+
+def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[str] | None = None
+             ) -> dict[str, dict]:
+    """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``; with ``gpus``, each on
+    the least busy of them), printing each as it ends; a variant's wall time counts from its own start."""
     env = {**os.environ, **RUN_ENV}
-    waiting, procs, results = list(runs), {}, {}
+    waiting, procs, results, placed = list(runs), {}, {}, {}
     start, shown = time.time(), time.time()
     while waiting or procs:
         if time.time() - shown >= STATUS_EVERY_S:  # a line a minute while the variants run (their logs hold more)
@@ -103,13 +111,18 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int) -> dict[str, 
         while waiting and len(procs) < parallel:
             name = waiting.pop(0)
             log = (out / f"{name}.log").open("w")
-            procs[name] = (subprocess.Popen(runs[name], stdout=log, stderr=subprocess.STDOUT, env=env), log,
+            own = env
+            if gpus:
+                placed[name] = least_busy(gpus, [placed[n] for n in procs])
+                own = {**env, "CUDA_VISIBLE_DEVICES": placed[name]}
+            procs[name] = (subprocess.Popen(runs[name], stdout=log, stderr=subprocess.STDOUT, env=own), log,
                            time.time())
         for name, (proc, log, started) in list(procs.items()):
             if proc.poll() is None:
                 continue
             log.close()
-            results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started}
+            results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started,
+                             **({"gpu": placed[name]} if gpus else {})}
             del procs[name]
             print(f"{name}: {'done' if proc.returncode == 0 else f'failed ({proc.returncode})'} in "
                   f"{results[name]['wall_s']:.0f} s; {len(procs)} running, {len(waiting)} waiting", flush=True)
@@ -165,7 +178,8 @@ def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], 
         r = rows[v.name]
         d, g = r.get("distill", {}), r.get("grpo", {})
         cells = [v.name, " ".join(f"`{o}`" for o in v.overrides) or "(the recipe's)",
-                 f"{r['wall_s']:.0f}" + ("" if r["returncode"] == 0 else f" (failed, {r['returncode']})")]
+                 f"{r['wall_s']:.0f}" + (f" (GPU {r['gpu']})" if "gpu" in r else "")
+                 + ("" if r["returncode"] == 0 else f" (failed, {r['returncode']})")]
         cells += [f"{d[k]:.3f}" if k in d else "" for k in DISTILL_KEYS]
         reward, length, clipped = (g.get(k) for k in GRPO_KEYS)
         cells += [f"{reward[0]:.3f} -> {reward[1]:.3f}" if reward else "",
@@ -197,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="NAME [KEY=VALUE", help="a variant: its name, then its overrides")
     parser.add_argument("--parallel", type=int, default=None,
                         help="variants running at once (default: all; fewer where their memory would not fit)")
+    parser.add_argument("--gpus", type=lambda s: s.split(","), default=None, metavar="0,1,...",
+                        help="spread the runs over these GPUs (CUDA_VISIBLE_DEVICES): the shared run on the first, "
+                             "each variant on the least busy")
     args = parser.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]
     names = [v.name for v in variants]
@@ -215,16 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     if first is not None:
         print(f"shared {args.shared}: {' '.join(first[3:])}", flush=True)
         start = time.time()
+        env = {**os.environ, **RUN_ENV, **({"CUDA_VISIBLE_DEVICES": args.gpus[0]} if args.gpus else {})}
         with (args.out / "shared.log").open("w") as log:
-            code = subprocess.run(first, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, **RUN_ENV}).returncode
+            code = subprocess.run(first, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if code:
             print(f"shared {args.shared} failed ({code}): see {args.out / 'shared.log'}", file=sys.stderr)
             return code
         print(f"shared {args.shared}: done in {time.time() - start:.0f} s", flush=True)
     parallel = args.parallel or len(runs)
-    print(f"{len(runs)} variants, {parallel} at a time: {', '.join(runs)}", flush=True)
-    results = _run_all(runs, args.out, parallel)
+    print(f"{len(runs)} variants, {parallel} at a time{f' on GPUs {args.gpus}' if args.gpus else ''}: "
+          f"{', '.join(runs)}", flush=True)
+    results = _run_all(runs, args.out, parallel, args.gpus)
     rows = {name: {**results[name], **collect(args.out / name)} for name in runs}
     table = markdown(rows, variants, args.common, args.shared)
     atomic_write(args.out / "sweep.md", table)
