@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -109,8 +110,9 @@ def plot_layers(metrics_path: Path, png_path: Path) -> Path | None:
     return Path(png_path)
 
 
-def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> Path:
-    """Aligns the converted model (``start_from``, else the recipe's model) and returns ``<out_dir>/final``."""
+def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None, callbacks: Sequence = ()) -> Path:
+    """Aligns the converted model (``start_from``, else the recipe's model) and returns ``<out_dir>/final``;
+    ``callbacks``: more ``TrainerCallback``s (the step profiler's, :mod:`pipeline.bench.stage_profile`)."""
     out_dir = Path(out_dir)
     final = out_dir / "final"
     if is_done(final):
@@ -139,7 +141,8 @@ def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> 
     resume = resume_point(store, out_dir)
     trainer = AlignmentTrainer(model=model.to(device), args=args, train_dataset=rows, data_collator=collate_packed,
                                teacher=teacher,
-                               callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store)])
+                               callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store),
+                                          *callbacks])
     if resume is not None:
         logger.info("align: resuming from %s", resume)
     with writing(out_dir / "checkpoints"):

@@ -8,6 +8,7 @@ re-running continues from the last complete one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -98,8 +99,9 @@ class SSESFTTrainer(BalanceLossMixin, TeacherKLMixin, SFTTrainer):
     the teacher's logits as a second target (:class:`TeacherKLMixin`)."""
 
 
-def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -> Path:
-    """Trains and returns the directory of the final model (``<out_dir>/final``)."""
+def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, callbacks: Sequence = ()) -> Path:
+    """Trains and returns the directory of the final model (``<out_dir>/final``); ``callbacks``: more
+    ``TrainerCallback``s (the step profiler's, :mod:`pipeline.bench.stage_profile`)."""
 
     out_dir = Path(out_dir)
     final = out_dir / "final"
@@ -120,7 +122,8 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None) -
         args=sft_config(recipe, out_dir, device),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store)] if is_main_process() else [],
+        callbacks=[*([MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store)] if is_main_process() else []),
+                   *callbacks],
     )
     if resume is not None:
         logger.info("distill: resuming from %s", resume)
