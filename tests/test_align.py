@@ -175,3 +175,49 @@ def test_teacher_kl_loss_mixes_cross_entropy_and_the_teachers_distribution(tmp_p
             assert kl.item() < 1e-6  # the same computation: nothing to learn from the teacher
         else:
             assert kl.item() > 1e-3
+
+
+@pytest.mark.parametrize("stage", ["align", "distill"])
+def test_the_teacher_and_the_aligned_layers_run_in_the_trainings_precision(tmp_path, stage):
+    """The Trainer's bf16 autocast wraps only the trained model's ``forward`` (accelerate): the teacher's forward and
+    alignment's calls of single layers must enter it themselves, or they run in float32 (on a GPU: no bf16 tensor
+    cores, and attention in SDPA's per-sequence float32 path; an alignment step of SmolLM2's recipe took 1.8 s so).
+    One bf16 step of each stage on the CPU, recording whether autocast was on in every call."""
+    from transformers import TrainingArguments
+
+    from pipeline.models import resolve_device
+    from pipeline.recipe import load_recipe
+    from pipeline.stages.align import AlignmentTrainer, collate_packed
+    from pipeline.stages.distill import SSESFTTrainer, sft_config
+    from pipeline.data import sft_dataset
+    from pipeline.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, tie_word_embeddings=False))
+    teacher = convert_to_sse(llama, mixer_types=["attn"] * 6).eval()
+    student = convert_to_sse(llama)
+    seen = {"teacher": [], "student": []}
+    for name, model in (("teacher", teacher), ("student", student)):
+        for layer in model.model.layers:
+            layer.attn.register_forward_pre_hook(
+                lambda module, args, name=name: seen[name].append(torch.is_autocast_enabled("cpu")))
+    if stage == "align":
+        freeze_all_but_aligned(student, "all")
+        rows = [{"input_ids": list(range(3, 35)), "lengths": [20, 12]}]
+        args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, max_steps=1,
+                                 per_device_train_batch_size=1, report_to=[], remove_unused_columns=False)
+        trainer = AlignmentTrainer(model=student, args=args, train_dataset=rows, data_collator=collate_packed,
+                                   teacher=teacher)
+    else:
+        recipe = load_recipe("demo", ["distill.data.max_samples=8", "distill.batch_size=4", "distill.max_steps=1",
+                                      "precision=bf16-mixed"])
+        trainer = SSESFTTrainer(model=student, args=sft_config(recipe, tmp_path, resolve_device("cpu")),
+                                train_dataset=sft_dataset(recipe.distill.data, recipe.prompt_instruction),
+                                processing_class=tokenizer, teacher=teacher, teacher_kl=0.5)
+    assert trainer.args.bf16
+    trainer.train()
+    assert seen["teacher"] and seen["student"]
+    assert all(seen["teacher"]) and all(seen["student"]), seen

@@ -73,7 +73,8 @@ class TeacherKLMixin:
         keep = (target != -100).nonzero().squeeze(-1)
         target = target[keep]
         student = model(**inputs, logits_to_keep=keep).logits[0].float()
-        with torch.no_grad():
+        with torch.no_grad(), self.accelerator.autocast():  # the student's precision (the Trainer wraps its forward
+            # alone): in float32 the teacher's attention takes SDPA's per-sequence path, not the flash varlen kernel
             teacher = self.teacher(**inputs, logits_to_keep=keep).logits[0].float()
         T, w = self.kd_temperature, self.teacher_kl
         ce = F.cross_entropy(student, target, reduction="sum")
