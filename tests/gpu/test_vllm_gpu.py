@@ -29,10 +29,25 @@ def small_sse_h(seed: int) -> SSEForCausalLM:
     return model.to(torch.bfloat16)
 
 
-def engine_tokens(model: SSEForCausalLM, prompts) -> list[list[int]]:
+def converted_smollm2_shape(seed: int) -> SSEForCausalLM:
+    """SmolLM2-135M's Llama (random weights, untied head) converted as the recipe converts it: head dim 64, 9 query
+    and 3 key-value heads, the converted layers' low-rank features."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kernels.bench.bench_packed import SMOLLM2
+    from sse_model.convert import convert_to_sse
+
+    torch.manual_seed(seed)
+    model = convert_to_sse(LlamaForCausalLM(LlamaConfig(**{**SMOLLM2, "tie_word_embeddings": False})))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model.to(torch.bfloat16)
+
+
+def engine_tokens(model: SSEForCausalLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
     kernels.register()
     engine = Engine(model.cuda(), None, max_model_len=512, max_slots=8)
-    tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
+    tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     del engine
     model.cpu()
     gc.collect()
@@ -86,3 +101,21 @@ def test_vllm_engine_follows_weights_and_sleep(tmp_path):
         outs += engine.step()
     assert [o.request_id for o in outs] == [sampled] and sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
     assert engine.capacity(512) >= 1
+
+
+def test_vllm_admits_prompts_beside_decodes_at_the_converted_smollm2_shape(tmp_path):
+    """Evaluation's pattern: more prompts than slots, so that vLLM admits prompts (one packed prefill per linear
+    layer, each prompt from its own state row) at steps where other sequences decode, at the converted SmolLM2's
+    shape. Its greedy tokens are our engine's (each prompt alone in a slot of its own), 64 of them per prompt."""
+    model = converted_smollm2_shape(0)
+    model.save_pretrained(tmp_path)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (3, 17, 64, 150, 300, 9, 41, 220, 5, 90)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    want = engine_tokens(model, prompts, params)
+    engine = create_engine(str(tmp_path), None, backend="vllm", max_slots=3, max_model_len=512,
+                           memory_budget=4 * 1024**3, use_cuda_graphs=True)
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert [len(g) for g in got] == [64] * len(prompts)
+    assert_greedy_agrees(model, prompts, got, want)
