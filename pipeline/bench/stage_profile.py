@@ -5,7 +5,7 @@
 Runs the stage as ``sse-pipeline run`` would (its data, trainer and model; distillation from the recipe's model
 without alignment, which trains at the same speed) into a scratch folder: ``warmup`` steps, then ``steps`` under
 ``torch.profiler``, each measured from the end of the one before (so the batch's loading and the logging count).
-Prints the step's wall time, the device's busy time in it (kernels and copies), the host calls per step that wait
+Prints the step's wall time, the device's busy time in it (kernels and copies), the memory it peaked at, the host calls per step that wait
 for the device (``.item()``, ``nonzero``, synchronizations; one synchronization a step is the profiler's own) with
 where they come from (one more step, profiled with Python stacks), and the ops that take the most host and device
 time. A step much longer than its device time is host-bound: the tables say where the host
@@ -47,6 +47,7 @@ class StepProfiler(TrainerCallback):
         self.warmup, self.steps = warmup, steps
         self.times: list[float] = []
         self.profiled = self.stacked = None
+        self.peak_gib = None  # the device memory the profiled steps peaked at
         self._last = None
 
     @staticmethod
@@ -68,9 +69,13 @@ class StepProfiler(TrainerCallback):
         self.times.append(now - self._last)
         step = state.global_step
         if step == self.warmup:
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             self.profiled = self._start(with_stack=False)
         elif step == self.warmup + self.steps:
             self.profiled.__exit__(None, None, None)
+            if torch.cuda.is_available():
+                self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
             self.stacked = self._start(with_stack=True)
         elif step == self.warmup + self.steps + 1:
             self.stacked.__exit__(None, None, None)
@@ -107,6 +112,7 @@ def summarize(profiler: StepProfiler, top: int = 20) -> dict:
         "profiled_step_s": sum(profiled) / max(len(profiled), 1),
         "device_busy_s": device_ms / 1e6 / steps,
         "kernel_launches": launches,
+        "peak_gib": profiler.peak_gib,
         "waits": waits,
         "wait_origins": origins[:top],
         "by_host": [vars(o) for o in sorted(ops, key=lambda o: -o.host_ms)[:top]],
@@ -117,7 +123,8 @@ def summarize(profiler: StepProfiler, top: int = 20) -> dict:
 def markdown(stage: str, result: dict) -> str:
     step, busy = result["profiled_step_s"], result["device_busy_s"]
     lines = [f"## {stage}: {step * 1e3:.0f} ms a step, the device busy {busy * 1e3:.0f} ms of it "
-             f"({100 * busy / step:.0f}%); {result['kernel_launches']:.0f} kernel launches a step", "",
+             f"({100 * busy / step:.0f}%); {result['kernel_launches']:.0f} kernel launches a step"
+             + (f"; peak {result['peak_gib']:.1f} GiB" if result["peak_gib"] is not None else ""), "",
              "every step (s): " + ", ".join(f"{t:.3f}" for t in result["step_s"]), "",
              "| host call that waits for the device | per step |", "|---|---|"]
     lines += [f"| `{name}` | {n:.1f} |" for name, n in sorted(result["waits"].items(), key=lambda kv: -kv[1])]
