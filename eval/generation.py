@@ -56,6 +56,17 @@ def request_seed(seed: int, group: int, member: int) -> int:
     return (seed * 1_000_003 + group * 100_003 + member) % (2**31 - 1)
 
 
+def end_of_sequence_ids(model, tokenizer=None) -> set[int]:
+    """The tokens generation stops at: the model config's ``eos_token_id``, its generation config's (where HF
+    ``generate`` and vLLM look; a chat model's end of turn may be named there alone) and the tokenizer's; each an id
+    or a list of ids."""
+    found = []
+    for source in (getattr(model, "config", None), getattr(model, "generation_config", None), tokenizer):
+        ids = getattr(source, "eos_token_id", None)
+        found += ids if isinstance(ids, (list, tuple)) else [ids]
+    return {int(i) for i in found if i is not None}
+
+
 class HFGenerateBackend:
     """Batches of left-padded prompts through ``model.generate``. Each batch is seeded by its first
     request's seed; the engine backend seeds every request on its own."""
@@ -68,18 +79,21 @@ class HFGenerateBackend:
         tok = self.tokenizer
         tok.padding_side = "left"
         device = next(self.model.parameters()).device
-        eos = tok.eos_token_id
+        stops = end_of_sequence_ids(self.model, tok)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else min(stops, default=None)
         for start in range(0, len(prompts), self.batch_size):
             batch = prompts[start:start + self.batch_size]
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             torch.manual_seed(seeds[start])
             kwargs = dict(do_sample=sampling.temperature > 0, max_new_tokens=sampling.max_new_tokens,
-                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos, eos_token_id=eos)
+                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos,
+                          eos_token_id=sorted(stops) or None)
             if sampling.temperature > 0:
                 kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
             out = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1]:]
             for i, row in enumerate(out.tolist()):
-                stop = eos in row
-                ids = row[:row.index(eos)] if stop else row
+                end = next((j for j, t in enumerate(row) if t in stops), None)
+                stop = end is not None
+                ids = row[:end] if stop else row
                 yield start + i, Completion(tok.decode(ids, skip_special_tokens=True), len(ids) + int(stop),
                                             "stop" if stop else "length")

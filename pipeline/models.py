@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 from .known_models import resolve
 from .recipe import ModelSpec
 from .tokenizer import build_char_tokenizer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,12 +32,46 @@ def local_model(name_or_path: str | Path) -> str:
     return str(unpacked(Path(source))) if source.endswith(".gguf") else source
 
 
+# a GGUF file's special tokens (llama.cpp's metadata keys) by the tokenizer attribute each one sets
+GGUF_SPECIAL_TOKENS = {"eos_token": "tokenizer.ggml.eos_token_id", "bos_token": "tokenizer.ggml.bos_token_id",
+                       "pad_token": "tokenizer.ggml.padding_token_id"}
+UNPACKED_FORMAT = 2  # part of an unpacked folder's name: 2 = special tokens as the GGUF file says
+
+
+def gguf_special_tokens(gguf_file: Path) -> dict[str, int]:
+    """``{"eos_token": id, ...}`` as the GGUF file's metadata gives them (those it gives)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_file)).fields
+    found = {}
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        if key in fields and fields[key].data:
+            field = fields[key]
+            found[name] = int(field.parts[field.data[0]][0])
+    return found
+
+
+def repair_special_tokens(tokenizer, gguf_file: Path) -> dict[str, tuple[str | None, str]]:
+    """Sets the tokenizer's end, start and padding tokens to the GGUF file's where they differ; returns what
+    changed (``{name: (was, now)}``). transformers 5.17 reads SmolLM2-135M-Instruct's GGUF with ``<|im_start|>`` as its
+    end of sequence (the file says ``<|im_end|>``; 5.24 reads it right): every model trained from it then stopped
+    generating only at the start of a next turn, not at the end of its own."""
+    changed = {}
+    for name, token_id in gguf_special_tokens(gguf_file).items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is not None and getattr(tokenizer, name) != token:
+            changed[name] = (getattr(tokenizer, name), token)
+            setattr(tokenizer, name, token)
+    return changed
+
+
 def unpacked(gguf_file: Path) -> Path:
     """A GGUF file as a transformers folder (float32 safetensors, config, tokenizer), written once into the cache.
     transformers parses and dequantises a GGUF at every load, and a run loads its source several times
     (conversion, teacher, tokenizers, the evaluation's initial model: three parses, ~30 s, in SmolLM2-135M's run
-    on the GPU machine); a folder of safetensors loads without either. Named by the file's path, size and
-    modification time, so a replaced file is unpacked again; written under a temporary name and renamed, so a
+    on the GPU machine); a folder of safetensors loads without either. Its special tokens are the file's
+    (:func:`repair_special_tokens`). Named by the file's path, size and modification time (and
+    :data:`UNPACKED_FORMAT`), so a replaced file is unpacked again; written under a temporary name and renamed, so a
     reader never sees half of it."""
     import hashlib
     import shutil
@@ -47,7 +84,8 @@ def unpacked(gguf_file: Path) -> Path:
     from .storage import cache_home
 
     stat = gguf_file.stat()
-    key = hashlib.sha1(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{UNPACKED_FORMAT}".encode()
+                       ).hexdigest()[:16]
     folder = cache_home() / "unpacked" / f"{gguf_file.stem}-{key}"
     if (folder / "config.json").exists():
         return folder
@@ -62,7 +100,11 @@ def unpacked(gguf_file: Path) -> Path:
         plain = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
         plain.load_state_dict(source.state_dict())
         plain.save_pretrained(partial)
-        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(partial)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        for name, (was, now) in repair_special_tokens(tokenizer, gguf_file).items():
+            logger.warning("%s: the tokenizer read %s %r where the file says %r; using the file's", gguf_file.name,
+                           name, was, now)
+        tokenizer.save_pretrained(partial)
         os.replace(partial, folder)
     except OSError:
         if not (folder / "config.json").exists():  # not a concurrent unpacking that finished first

@@ -154,6 +154,38 @@ def test_a_gguf_file_is_unpacked_once_into_a_folder_that_loads_the_same(llama_gg
     assert isinstance(model, SSEForCausalLM) and tokenizer.eos_token == "<|im_end|>"
 
 
+def test_an_unpacked_gguf_keeps_the_files_special_tokens_whatever_the_loader_reads(llama_gguf, tmp_path,
+                                                                                    monkeypatch):
+    """transformers 5.17 (the GPU image's) reads SmolLM2-135M-Instruct's GGUF with ``<|im_start|>`` as its end of
+    sequence; the file says ``<|im_end|>``. Every model trained from it then stopped generating at the start of a
+    next turn only. The unpacked folder takes the end, start and padding tokens from the file's metadata."""
+    import shutil
+
+    from transformers import AutoTokenizer as Auto
+
+    from pipeline import models
+
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path / "cache"))
+    path, _ = llama_gguf
+    gguf = tmp_path / path.name
+    shutil.copy(path, gguf)
+    assert models.gguf_special_tokens(gguf) == {"eos_token": 2, "bos_token": 1, "pad_token": 2}
+    load = Auto.from_pretrained.__func__
+
+    def misread(cls, *args, **kwargs):  # the loader's mistake, as 5.17 makes it
+        tokenizer = load(cls, *args, **kwargs)
+        if kwargs.get("gguf_file"):
+            tokenizer.eos_token = tokenizer.pad_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(Auto, "from_pretrained", classmethod(misread))
+    assert Auto.from_pretrained(gguf.parent, gguf_file=gguf.name).eos_token == "<|im_start|>"
+    tokenizer = load_tokenizer(None, models.local_model(gguf))
+    assert (tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_start|>",
+                                                                               "<|im_end|>")
+    assert tokenizer.eos_token_id == 2
+
+
 def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path):
     """The converted model's path: align (checkpointed, per-layer losses logged and plotted), distillation with the
     teacher's logits, GRPO; re-running finds every stage done."""

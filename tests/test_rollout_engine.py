@@ -623,3 +623,27 @@ def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
     row = measure(trainer, engine, 200, 12, torch.device("cpu"), seed=1)
     assert row["tokens"] == 12 and row["trainer_fp32"] == 0.0  # no autocast on the CPU: the trainer is float32
     assert row["engine_fp32"] == row["mean"] < 1e-4
+
+
+def test_generation_stops_at_every_end_the_checkpoint_names(tokenizer):
+    """A checkpoint may name its end of turn in its generation config alone (SmolLM2's trained models: config and
+    tokenizer 1, generation config [1, 2], after a tokenizer that misread its end): the engine and HF ``generate``
+    stop at each end the model config, the generation config or the tokenizer names, as vLLM does."""
+    from eval.generation import HFGenerateBackend, SamplingConfig, end_of_sequence_ids
+
+    torch.manual_seed(0)
+    model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer))).eval()
+    prompt = "What is 2+3?"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    free = make_engine(model, None).generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = free[0].outputs[0].token_ids
+    end = tokens[3]  # the fourth greedy token: named as an end in the generation config only
+    model.config.eos_token_id = next(t for t in range(len(tokenizer)) if t not in tokens)
+    model.generation_config.eos_token_id = [model.config.eos_token_id, end]
+    assert end_of_sequence_ids(model) == {model.config.eos_token_id, end}
+    out = make_engine(model, None).generate([ids], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[:tokens.index(end) + 1]
+    assert tokenizer.eos_token_id not in tokens[:4]  # the tokenizer's end comes later, if at all
+    (_, completion), = HFGenerateBackend(model, tokenizer).generate(
+        [prompt], SamplingConfig(temperature=0, max_new_tokens=12), [0])
+    assert completion.finish_reason == "stop" and completion.num_tokens == tokens.index(end) + 1

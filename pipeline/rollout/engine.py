@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from eval.generation import end_of_sequence_ids
 from sse_model.cache import SlotCache
 
 from .sampling import SamplingParams, sample
@@ -236,10 +237,7 @@ class Engine:
         self.weights_version = 0
         self._rng = random.Random(seed)
         self._next_id = 0
-        eos = getattr(self.config, "eos_token_id", None)
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = end_of_sequence_ids(model, tokenizer)
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.overlap = device.type == "cuda" if overlap is None else overlap
         self._launched: _Launched | None = None  # the next decode step, queued before the host read this one
