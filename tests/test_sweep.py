@@ -82,13 +82,12 @@ def test_a_variant_goes_to_the_least_busy_gpu():
     assert least_busy(["0", "1", "2"], ["0", "2"]) == "1" and least_busy(["0", "1"], ["0", "1"]) == "0"
 
 
-@pytest.mark.parametrize("parallel, seen", [(4, {"0": 2, "3": 2}), (1, {"0": 4})])
-def test_each_variant_runs_on_the_gpu_it_was_given(tmp_path, parallel, seen):
+def test_each_variant_runs_on_the_gpu_it_was_given(tmp_path):
     """With ``gpus`` each run sees one GPU (``CUDA_VISIBLE_DEVICES``), the least busy: four at once on two GPUs
-    share them two and two; one at a time, each takes the first (the others are free again)."""
-    probe = "import os, sys, time; time.sleep(0.5); print(os.environ['CUDA_VISIBLE_DEVICES'])"
+    share them two and two."""
+    probe = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
     runs = {f"v{i}": [sys.executable, "-c", probe] for i in range(4)}
-    results = _run_all(runs, tmp_path, parallel, gpus=["0", "3"])
+    results = _run_all(runs, tmp_path, 4, gpus=["0", "3"])
     logged = [(tmp_path / f"{name}.log").read_text().strip() for name in runs]
     assert logged == [results[name]["gpu"] for name in runs]
-    assert {g: logged.count(g) for g in set(logged)} == seen
+    assert sorted(logged) == ["0", "0", "3", "3"]
