@@ -5,11 +5,11 @@
 Runs the stage as ``sse-pipeline run`` would (its data, trainer and model; distillation from the recipe's model
 without alignment, which trains at the same speed) into a scratch folder: ``warmup`` steps, then ``steps`` under
 ``torch.profiler``, each measured from the end of the one before (so the batch's loading and the logging count).
-Prints the step's wall time, the device's busy time in it (kernels and copies), the memory it peaked at, the host calls per step that wait
-for the device (``.item()``, ``nonzero``, synchronizations; one synchronization a step is the profiler's own) with
-where they come from (one more step, profiled with Python stacks), and the ops that take the most host and device
-time. A step much longer than its device time is host-bound: the tables say where the host
-spends it. ``--trace FILE`` also writes the profile as a Chrome trace (``chrome://tracing``, Perfetto).
+Prints the step's wall time, the device's busy time in it (kernels and copies), the memory it peaked at, the host
+calls per step that wait for the device (``.item()``, ``nonzero``, synchronizations; one synchronization a step is
+the profiler's own) with where they come from (one more step, profiled with Python stacks), and the ops that take
+the most host and device time. A step much longer than its device time is host-bound: the tables say where the host
+spends it. ``--trace`` also writes each stage's profile as a Chrome trace (``chrome://tracing``, Perfetto).
 """
 
 from __future__ import annotations
