@@ -27,8 +27,8 @@ from transformers import TrainerCallback
 
 from ..recipe import load_recipe
 
-# host ops that wait until the device has finished the work before them
-WAITS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+# host ops that wait until the device has finished the work before them (``.item()``: the _local_scalar_dense in it)
+WAITS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize",
          "cudaEventSynchronize")
 STAGES = ("align", "distill")
 
@@ -102,7 +102,7 @@ def summarize(profiler: StepProfiler, top: int = 20) -> dict:
     waits = {o.name: o.calls for o in ops if o.name in WAITS and o.calls}
     origins = []
     for e in profiler.stacked.key_averages(group_by_stack_n=8):  # one step
-        if e.key in WAITS and e.key != "aten::item" and e.stack:  # item: the _local_scalar_dense under it
+        if e.key in WAITS and e.stack:
             frames = [f for f in e.stack if not f.startswith("torch/") and "/torch/" not in f][:4]
             origins.append({"op": e.key, "per_step": e.count, "stack": frames})
     origins.sort(key=lambda o: -o["per_step"])
