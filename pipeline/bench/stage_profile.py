@@ -132,7 +132,8 @@ def markdown(stage: str, result: dict) -> str:
         lines += ["", "| wait | per step | from |", "|---|---|---|"]
         lines += [f"| `{o['op']}` | {o['per_step']:.1f} | {' <- '.join(o['stack'])} |" for o in result["wait_origins"]]
     for title, key in (("host", "by_host"), ("device", "by_device")):
-        lines += ["", f"| op (by {title} time) | calls a step | host ms a step | device ms a step |", "|---|---|---|---|"]
+        lines += ["", f"| op (by {title} time) | calls a step | host ms a step | device ms a step |",
+                  "|---|---|---|---|"]
         lines += [f"| `{o['name']}` | {o['calls']:.1f} | {o['host_ms']:.1f} | {o['device_ms']:.1f} |"
                   for o in result[key]]
     return "\n".join(lines) + "\n"
