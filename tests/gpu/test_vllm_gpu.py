@@ -1,7 +1,8 @@
 """``engine.backend: vllm`` on a GPU: :class:`~pipeline.rollout.vllm.engine.VllmEngine` (vLLM with this package's
 plugin) against this package's engine on a small random SSE-H: greedy tokens, then again after new weights and
-after a sleep. ``PYTHONPATH=/tmp/vllm-site:$PWD pytest -s tests/gpu/test_vllm_gpu.py`` (vLLM on the path:
-``python -m pipeline.rollout.vllm.site``)."""
+after a sleep. One test a process (vLLM's sleep-mode allocator allows one engine a process, and an engine here is not
+shut down): ``for k in follows admits; do PYTHONPATH=/tmp/vllm-site:$PWD pytest -s tests/gpu/test_vllm_gpu.py -k $k;
+done`` (vLLM on the path: ``python -m pipeline.rollout.vllm.site``)."""
 
 from __future__ import annotations
 
@@ -55,21 +56,32 @@ def engine_tokens(model: SSEForCausalLM, prompts, params: SamplingParams = GREED
     return tokens
 
 
-def assert_greedy_agrees(model: SSEForCausalLM, prompts, got, want, tolerance: float = 1.0) -> None:
-    """vLLM's greedy tokens are our engine's, or part from them where ``model`` (bf16, as both serve it) ranks
-    the two tokens within ``tolerance`` logits: a near-tie that bf16 rounding in other kernels may flip (seen after
-    a weight update: one prompt of three parted at its 23rd token). A wrong weight parts early and far."""
+def greedy_gaps(model: SSEForCausalLM, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """How far below ``model``'s argmax each of ``tokens`` is, after the prompt and the tokens before it (0: the
+    argmax)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]], device="cuda")).logits[0, len(prompt) - 1:].float()
+    return logits.max(-1).values - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+
+def assert_greedy_agrees(model: SSEForCausalLM, prompts, got, want) -> None:
+    """vLLM's greedy answers follow ``model`` as closely as our engine's (``want``) do: every token of them is the
+    model's argmax after vLLM's own prefix, or within twice the largest gap our engine's tokens show (at least half
+    a logit). Both serve bf16 with other kernels than the model's forward, so both pick near-ties the forward ranks
+    otherwise (at SmolLM2's converted shape, logits near 40 where bf16's step is 0.25: our engine up to 1.25 below
+    the argmax, vLLM up to 2.0; H200, 2026-11-27). Each position is checked, not only those before vLLM and our
+    engine part at a tie, so a wrong state after a tie fails; a wrong weight or state parts by many logits."""
     model = model.cuda()
-    for prompt, g, w in zip(prompts, got, want):
-        if g == w:
-            continue
-        i = next(k for k, (a, b) in enumerate(zip(g, w)) if a != b)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + w[:i]], device="cuda")).logits[0, -1].float()
-        gap = (logits[w[i]] - logits[g[i]]).item()
-        print(f"greedy parts at token {i} of {len(w)}: logit gap {gap:.3f} (top logit {logits.max().item():.1f})")
-        assert gap <= tolerance, f"vLLM parts from the engine at token {i} with a logit gap of {gap:.3f}"
+    gaps = [(greedy_gaps(model, p, g).max().item(), greedy_gaps(model, p, w).max().item())
+            for p, g, w in zip(prompts, got, want)]
     model.cpu()
+    for (vllm_gap, engine_gap), g, w in zip(gaps, got, want):
+        same = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+        print(f"{same} of {len(w)} tokens as the engine's; largest gap to the argmax: vLLM {vllm_gap:.3f}, "
+              f"engine {engine_gap:.3f}")
+    tolerance = 2 * max(0.5, *(engine_gap for _, engine_gap in gaps))
+    worst = max(vllm_gap for vllm_gap, _ in gaps)
+    assert worst <= tolerance, f"a vLLM token is {worst:.3f} logits below the model's argmax (allowed {tolerance})"
 
 
 def test_vllm_engine_follows_weights_and_sleep(tmp_path):
