@@ -23,10 +23,19 @@ def _percent(rate: float | None) -> str:
     return "" if rate is None else f"{100 * rate:.0f}%"
 
 
+def _boxed_avg(m: dict) -> str:
+    n = m["repeats"]
+    if f"boxed_avg@{n}" not in m:  # summaries written before it was counted
+        return ""
+    lo, hi = m[f"boxed_avg@{n}_ci95"]
+    return f"{100 * m[f'boxed_avg@{n}']:.1f} ({100 * lo:.1f}-{100 * hi:.1f})"
+
+
 def markdown_table(summary: dict) -> str:
     benches = summary["benchmarks"]
-    lines = ["| benchmark | problems | n | avg@n (95% CI) | pass@n | maj@n | mean len | max len | truncated | boxed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| benchmark | problems | n | avg@n (95% CI) | pass@n | maj@n | mean len | max len | truncated | boxed "
+             "| boxed avg@n (95% CI) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in benches.items():
         n = m["repeats"]
         lo, hi = m[f"avg@{n}_ci95"]
@@ -34,7 +43,7 @@ def markdown_table(summary: dict) -> str:
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
         lines.append(f"| {name} | {m['problems']} | {n} | {100 * m[f'avg@{n}']:.1f} ({100 * lo:.1f}-{100 * hi:.1f}) | "
                      f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "
-                     f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} |")
+                     f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} | {_boxed_avg(m)} |")
     s = summary.get("sampling", {})
     lines.append("")
     if summary.get("model"):
@@ -47,7 +56,8 @@ def markdown_table(summary: dict) -> str:
             lines.append(f"{name}: {m['prompts_truncated']} problems were shortened to fit the prompt limit.")
     lines.append(f"Sampling: temperature {s.get('temperature')}, top-p {s.get('top_p')}, "
                  f"max new tokens {s.get('max_new_tokens')}. Accuracies in %; boxed: the share of answers given in "
-                 "a \\boxed{} as asked (the others are read from the last stated answer).")
+                 "a \\boxed{} as asked (the others are read from the last stated answer); boxed avg@n: the accuracy "
+                 "counting boxed answers only.")
     return "\n".join(lines) + "\n"
 
 

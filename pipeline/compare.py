@@ -4,9 +4,9 @@
 From each run folder it reads what the stages left there: every evaluation (``summary.json`` under the run, one row
 each, named by the stage whose model it scored), GRPO's curves (``grpo/metrics.jsonl``: reward and accuracy per
 step) and its rollout engines (generated tokens/s over the logged steps, the recurrent state one sequence holds,
-``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark (and the share of answers given
-in a box, where the evaluation counted it: near the floor it tells a model that answers from noise read by the
-fallback); the figure puts the accuracies
+``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark (and, where the evaluation counted
+them, the share of answers given in a box and the accuracy of boxed answers alone: near the floor they tell a model
+that answers from noise read by the fallback, and a stage that gains by dropping the asked format); the figure puts the accuracies
 with their intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from eval.report import atomic_write
 
@@ -25,10 +26,19 @@ STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distil
                  ("/align/final", "after alignment"), ("/initial", "before training"))
 
 
+class Score(NamedTuple):
+    avg: float
+    low: float
+    high: float
+    repeats: int
+    boxed_rate: float | None  # None where the evaluation did not count boxes
+    boxed_avg: tuple[float, float, float] | None  # boxed answers alone: (avg, low, high)
+
+
 @dataclass
 class Evaluation:
     stage: str
-    benchmarks: dict  # name -> (avg, low, high, repeats, boxed rate or None)
+    benchmarks: dict[str, Score]
 
 
 @dataclass
@@ -63,8 +73,8 @@ def read_run(label: str, folder: Path) -> Run:
         benches = {}
         for name, m in summary.get("benchmarks", {}).items():
             n = m["repeats"]
-            low, high = m[f"avg@{n}_ci95"]
-            benches[name] = (m[f"avg@{n}"], low, high, n, m.get("boxed_rate"))
+            strict = (m[f"boxed_avg@{n}"], *m[f"boxed_avg@{n}_ci95"]) if f"boxed_avg@{n}" in m else None
+            benches[name] = Score(m[f"avg@{n}"], *m[f"avg@{n}_ci95"], n, m.get("boxed_rate"), strict)
         run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder), benches))
     order = [stage for _, stage in reversed(STAGE_OF_PATH)]  # the pipeline's order; other evaluations last
     run.evaluations.sort(key=lambda e: order.index(e.stage) if e.stage in order else len(order))
@@ -92,13 +102,16 @@ def markdown(runs: list[Run]) -> str:
             cells = []
             for b in benchmarks:
                 if b in e.benchmarks:
-                    avg, low, high, n, boxed = e.benchmarks[b]
-                    boxed = "" if boxed is None else f", {100 * boxed:.0f}% boxed"
-                    cells.append(f"{100 * avg:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={n}{boxed}")
+                    s = e.benchmarks[b]
+                    boxed = "" if s.boxed_rate is None else f", {100 * s.boxed_rate:.0f}% boxed"
+                    if s.boxed_avg is not None:
+                        boxed += " ({:.1f} ({:.1f}-{:.1f}) boxed alone)".format(*(100 * v for v in s.boxed_avg))
+                    cells.append(f"{100 * s.avg:.1f} ({100 * s.low:.1f}-{100 * s.high:.1f}), n={s.repeats}{boxed}")
                 else:
                     cells.append("")
             lines.append(f"| {run.label}, {e.stage} | " + " | ".join(cells) + " |")
-    lines += ["", "Accuracies in %.", "",
+    lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks.",
+              "",
               "| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
     for run in runs:

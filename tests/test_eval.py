@@ -44,11 +44,12 @@ def test_hand_computed_metrics():
     boxed = summarize([{"correct": [True], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [True]},
                        {"correct": [False], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [False]}])
     assert boxed["boxed_rate"] == pytest.approx(0.5)
+    assert boxed["boxed_avg@1"] == pytest.approx(0.5)  # the right answer was boxed
 
 
 def test_the_summary_counts_answers_given_in_a_box():
     """A model whose text has no box is scored by the last stated answer; ``boxed_rate`` says how many answers came
-    in the asked format, and the report shows it."""
+    in the asked format and ``boxed_avg@n`` how many were right and boxed, and the report shows both."""
     from eval.benchmarks import Problem
     from eval.report import markdown_table
     from eval.runner import score_benchmark
@@ -64,7 +65,9 @@ def test_the_summary_counts_answers_given_in_a_box():
         verifier.close()
     assert summary["avg@2"] == pytest.approx(0.75)  # three right: two of them read without a box
     assert summary["boxed_rate"] == pytest.approx(0.5)
-    assert "| 0.0% | 50% |" in markdown_table({"benchmarks": {"toy": summary}})
+    assert summary["boxed_avg@2"] == pytest.approx(0.25)  # one right answer of four was boxed
+    lo, hi = summary["boxed_avg@2_ci95"]
+    assert f"| 0.0% | 50% | 25.0 ({100 * lo:.1f}-{100 * hi:.1f}) |" in markdown_table({"benchmarks": {"toy": summary}})
 
 
 def test_problem_loading(tmp_path):
@@ -270,7 +273,10 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), "--out", str(out)]) == 0
     text = (out / "compare.md").read_text()
     low, high = sse["avg@4_ci95"]
-    assert f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4, 75% boxed |" in text
+    boxed, (boxed_low, boxed_high) = sse["boxed_avg@4"], sse["boxed_avg@4_ci95"]
+    assert (f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4, 75% boxed "
+            f"({100 * boxed:.1f} ({100 * boxed_low:.1f}-{100 * boxed_high:.1f}) boxed alone) |") in text
+    assert boxed < sse["avg@4"]  # a right answer out of a box counts in avg@4 only
     assert "n=4 |" in text  # evaluations that did not count boxes (older summaries) show none
     assert "| tf, after distillation |" in text
     rows = [text.index(f"| SSE-H, {stage} |") for stage in ("before training", "after distillation", "after GRPO")]
