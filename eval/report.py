@@ -23,12 +23,26 @@ def _percent(rate: float | None) -> str:
     return "" if rate is None else f"{100 * rate:.0f}%"
 
 
-def _boxed_avg(m: dict) -> str:
-    n = m["repeats"]
-    if f"boxed_avg@{n}" not in m:  # summaries written before it was counted
-        return ""
-    lo, hi = m[f"boxed_avg@{n}_ci95"]
-    return f"{100 * m[f'boxed_avg@{n}']:.1f} ({100 * lo:.1f}-{100 * hi:.1f})"
+def accuracy(m: dict, boxed: bool = False) -> tuple[float, float, float] | None:
+    """A benchmark's avg@n and its 95% interval from its summary ``m``; ``boxed``: the boxed answers' alone (None
+    in summaries written before it was counted)."""
+    key = f"{'boxed_' if boxed else ''}avg@{m['repeats']}"
+    return (m[key], *m[f"{key}_ci95"]) if key in m else None
+
+
+def _percent_ci(value: tuple[float, float, float] | None) -> str:
+    return "" if value is None else "{:.1f} ({:.1f}-{:.1f})".format(*(100 * v for v in value))
+
+
+def accuracy_cell(m: dict) -> str:
+    """One table cell of a benchmark's summary, in %: avg@n (95% CI), n, and where the evaluation counted them the
+    share of boxed answers and their accuracy alone."""
+    cell = f"{_percent_ci(accuracy(m))}, n={m['repeats']}"
+    if m.get("boxed_rate") is not None:
+        cell += f", {100 * m['boxed_rate']:.0f}% boxed"
+    if accuracy(m, boxed=True) is not None:
+        cell += f" ({_percent_ci(accuracy(m, boxed=True))} boxed alone)"
+    return cell
 
 
 def markdown_table(summary: dict) -> str:
@@ -43,7 +57,8 @@ def markdown_table(summary: dict) -> str:
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
         lines.append(f"| {name} | {m['problems']} | {n} | {100 * m[f'avg@{n}']:.1f} ({100 * lo:.1f}-{100 * hi:.1f}) | "
                      f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "
-                     f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} | {_boxed_avg(m)} |")
+                     f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} | "
+                     f"{_percent_ci(accuracy(m, boxed=True))} |")
     s = summary.get("sampling", {})
     lines.append("")
     if summary.get("model"):

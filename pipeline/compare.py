@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
-from eval.report import atomic_write
+from eval.report import accuracy, accuracy_cell, atomic_write
 
 from .metrics import first_last_means, moving_average, read_metrics
 
@@ -26,19 +25,10 @@ STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distil
                  ("/align/final", "after alignment"), ("/initial", "before training"))
 
 
-class Score(NamedTuple):
-    avg: float
-    low: float
-    high: float
-    repeats: int
-    boxed_rate: float | None  # None where the evaluation did not count boxes
-    boxed_avg: tuple[float, float, float] | None  # boxed answers alone: (avg, low, high)
-
-
 @dataclass
 class Evaluation:
     stage: str
-    benchmarks: dict[str, Score]
+    benchmarks: dict[str, dict]  # name -> its metrics in the evaluation's summary
 
 
 @dataclass
@@ -70,12 +60,8 @@ def read_run(label: str, folder: Path) -> Run:
         if ".replaced-" in str(path.relative_to(folder)):  # outputs a --redo moved aside
             continue
         summary = json.loads(path.read_text())
-        benches = {}
-        for name, m in summary.get("benchmarks", {}).items():
-            n = m["repeats"]
-            strict = (m[f"boxed_avg@{n}"], *m[f"boxed_avg@{n}_ci95"]) if f"boxed_avg@{n}" in m else None
-            benches[name] = Score(m[f"avg@{n}"], *m[f"avg@{n}_ci95"], n, m.get("boxed_rate"), strict)
-        run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder), benches))
+        run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder),
+                                          summary.get("benchmarks", {})))
     order = [stage for _, stage in reversed(STAGE_OF_PATH)]  # the pipeline's order; other evaluations last
     run.evaluations.sort(key=lambda e: order.index(e.stage) if e.stage in order else len(order))
     if not run.evaluations:
@@ -99,16 +85,7 @@ def markdown(runs: list[Run]) -> str:
              "|---|" + "---|" * len(benchmarks)]
     for run in runs:
         for e in run.evaluations:
-            cells = []
-            for b in benchmarks:
-                if b in e.benchmarks:
-                    s = e.benchmarks[b]
-                    boxed = "" if s.boxed_rate is None else f", {100 * s.boxed_rate:.0f}% boxed"
-                    if s.boxed_avg is not None:
-                        boxed += " ({:.1f} ({:.1f}-{:.1f}) boxed alone)".format(*(100 * v for v in s.boxed_avg))
-                    cells.append(f"{100 * s.avg:.1f} ({100 * s.low:.1f}-{100 * s.high:.1f}), n={s.repeats}{boxed}")
-                else:
-                    cells.append("")
+            cells = [accuracy_cell(e.benchmarks[b]) if b in e.benchmarks else "" for b in benchmarks]
             lines.append(f"| {run.label}, {e.stage} | " + " | ".join(cells) + " |")
     lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks.",
               "",
@@ -140,7 +117,7 @@ def plot(runs: list[Run], path: Path) -> None:
         xs, ys, lo, hi = [], [], [], []
         for j, b in enumerate(benchmarks):
             if b in e.benchmarks:
-                avg, low, high, *_ = e.benchmarks[b]
+                avg, low, high = accuracy(e.benchmarks[b])
                 xs.append(j + (i - (len(rows) - 1) / 2) * width)
                 ys.append(100 * avg)
                 lo.append(100 * (avg - low))

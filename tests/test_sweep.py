@@ -59,6 +59,7 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     table = (tmp_path / "sweep.md").read_text()
     assert "| slow | `distill.learning_rate=1e-5` |" in table and "| fast | (the recipe's) |" in table
     assert "| fast | distill | " in table and "| slow | last | " in table
+    assert "boxed alone)" in table  # each cell as the compare table writes it
     assert table in capsys.readouterr().out
 
 

@@ -16,8 +16,8 @@ the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``)
 times what the recipe alone would. Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
 ``OUT/sweep.json`` hold, per variant, its overrides, wall time, the last logged distillation metrics, GRPO's reward
-and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval and the share of
-boxed answers.
+and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
+boxed answers and their accuracy alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.report import atomic_write
+from eval.report import accuracy_cell, atomic_write
 
 from ..metrics import first_last_means, read_metrics
 from ..recipe import load_recipe
@@ -131,11 +131,9 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
 
 
 def _benchmarks(summary: Path) -> dict:
-    out = {}
-    for name, m in json.loads(summary.read_text())["benchmarks"].items():
-        n = m["repeats"]
-        out[name] = {"avg": m[f"avg@{n}"], "ci95": m[f"avg@{n}_ci95"], "n": n, "boxed_rate": m.get("boxed_rate")}
-    return out
+    """Each benchmark's metrics in an evaluation's summary, without the per-problem answers."""
+    return {name: {k: v for k, v in m.items() if k != "per_problem"}
+            for name, m in json.loads(summary.read_text())["benchmarks"].items()}
 
 
 def collect(folder: Path) -> dict:
@@ -161,14 +159,6 @@ def collect(folder: Path) -> dict:
     return row
 
 
-def _cell(e: dict | None) -> str:
-    if e is None:
-        return ""
-    low, high = e["ci95"]
-    boxed = "" if e["boxed_rate"] is None else f", {100 * e['boxed_rate']:.0f}%"
-    return f"{100 * e['avg']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n={e['n']}{boxed}"
-
-
 def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], shared: str | None) -> str:
     """Two tables: each variant's training (distillation's last logged metrics, GRPO's curves), and each evaluated
     model's accuracies."""
@@ -188,14 +178,15 @@ def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], 
         lines.append("| " + " | ".join(cells) + " |")
     evaluated = [(v.name, model, bench) for v in variants for model, bench in rows[v.name].get("eval", {}).items()]
     benchmarks = list(dict.fromkeys(b for *_, bench in evaluated for b in bench))
-    lines += ["", "| variant | model | " + " | ".join(f"{b} avg@n (95% CI), boxed" for b in benchmarks) + " |",
+    lines += ["", "| variant | model | " + " | ".join(f"{b} avg@n (95% CI)" for b in benchmarks) + " |",
               "|---|---|" + "---|" * len(benchmarks)]
     for name, model, bench in evaluated:
-        lines.append(f"| {name} | {model} | " + " | ".join(_cell(bench.get(b)) for b in benchmarks) + " |")
+        lines.append(f"| {name} | {model} | " + " | ".join(accuracy_cell(bench[b]) if b in bench else "" for b in benchmarks) + " |")
     lines += ["", f"Every variant: {' '.join(f'`{o}`' for o in common) or 'the recipe as it is'}"
               + (f", from the shared {shared} stage's model." if shared else "."),
               "Wall time of each variant from its own start; GRPO: the mean of the first and of the last 8 logged "
-              "steps (clipped: the last 8); accuracies in %, boxed: the share of answers given in a box."]
+              "steps (clipped: the last 8); accuracies in %, boxed: the share of answers given in a box, and their accuracy "
+              "alone."]
     return "\n".join(lines) + "\n"
 
 
