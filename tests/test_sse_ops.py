@@ -228,3 +228,39 @@ def test_varlen_never_hands_the_linear_op_an_empty_segment():
     assert_close(o, ref_o, torch.float64, "output")
     assert_close(state, ref_state, torch.float64, "final state")
     assert torch.equal(state[:, 4], tensors[-1][:, 4]), "the never-chosen partition keeps its initial state"
+
+
+def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change():
+    """A forward hands one ``cu_seqlens`` to every layer: the check reads its values on the host (a device sync on a
+    GPU) at the first call only, and again once the tensor changes in place or meets another token count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sse_model.ops.varlen import check_cu_seqlens
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    cu = CU.clone()
+    check_cu_seqlens(cu, 1, 40)
+    with CountOps() as counted:
+        check_cu_seqlens(cu, 1, 40)
+    assert counted.ops == 0  # nothing read again
+    with pytest.raises(ValueError, match=r"end at the number of tokens \(41\), got 0\.\.40"):
+        check_cu_seqlens(cu, 1, 41)
+    cu[2] = 30  # 3, 30, 21: decreasing, written in place after the check
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_cu_seqlens(cu, 1, 40)
+    with pytest.raises(ValueError, match=r"start at 0 .* got 1\.\.40"):
+        check_cu_seqlens(torch.tensor([1, 3, 40]), 1, 40)
+    with torch.inference_mode():  # no version counter: every call reads it
+        frozen = CU.clone()
+        check_cu_seqlens(frozen, 1, 40)
+        frozen[2] = 30
+        with pytest.raises(ValueError, match="non-decreasing"):
+            check_cu_seqlens(frozen, 1, 40)
