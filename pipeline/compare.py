@@ -6,8 +6,12 @@ each, named by the stage whose model it scored), GRPO's curves (``grpo/metrics.j
 step) and its rollout engines (generated tokens/s over the logged steps, the recurrent state one sequence holds,
 ``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark (and, where the evaluation counted
 them, the share of answers given in a box and the accuracy of boxed answers alone: near the floor they tell a model
-that answers from noise read by the fallback, and a stage that gains by dropping the asked format); the figure puts the accuracies
-with their intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
+that answers from noise read by the fallback, and a stage that gains by dropping the asked format). A second table
+gives each stage's change over the stage before it, and each run's difference from the first run's at the same
+stage, paired over the same problems where the summaries kept each problem's accuracy: tighter than two separate
+intervals, whose overlap hides a change that most problems share. The
+figure puts the accuracies with their intervals on the left and both arms' GRPO curves on the right, so an arm's
+gain reads against the other's.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.metrics import bootstrap_ci
 from eval.report import accuracy, accuracy_cell, atomic_write
 
 from .metrics import first_last_means, moving_average, read_metrics
@@ -29,6 +34,10 @@ STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distil
 class Evaluation:
     stage: str
     benchmarks: dict[str, dict]  # name -> its metrics in the evaluation's summary
+
+    def accuracies(self, benchmark: str) -> dict[str, float]:
+        """Each problem's accuracy (id -> mean over its samples), where the summary kept them."""
+        return {p["id"]: p["accuracy"] for p in self.benchmarks[benchmark].get("per_problem", [])}
 
 
 @dataclass
@@ -79,6 +88,16 @@ def read_run(label: str, folder: Path) -> Run:
     return run
 
 
+def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float] | None:
+    """The mean change of accuracy over the problems both evaluations scored, with its 95% interval from resampling
+    those problems (paired: each problem's own difference, so the problems' spread in difficulty drops out)."""
+    shared = [key for key in after if key in before]
+    if not shared:
+        return None
+    diffs = [after[key] - before[key] for key in shared]
+    return (sum(diffs) / len(diffs), *bootstrap_ci(diffs))
+
+
 def markdown(runs: list[Run]) -> str:
     benchmarks = list(dict.fromkeys(b for run in runs for e in run.evaluations for b in e.benchmarks))
     lines = ["| model | " + " | ".join(f"{b} (avg@n, 95% CI)" for b in benchmarks) + " |",
@@ -88,8 +107,25 @@ def markdown(runs: list[Run]) -> str:
             cells = [accuracy_cell(e.benchmarks[b]) if b in e.benchmarks else "" for b in benchmarks]
             lines.append(f"| {run.label}, {e.stage} | " + " | ".join(cells) + " |")
     lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks.",
-              "",
-              "| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
+              ""]
+    pairs = [(f"{run.label}: {earlier.stage} -> {later.stage}", earlier, later)
+             for run in runs for earlier, later in zip(run.evaluations, run.evaluations[1:])]
+    pairs += [(f"{run.label} - {runs[0].label}, {e.stage}", first, e) for run in runs[1:] for e in run.evaluations
+              for first in runs[0].evaluations if first.stage == e.stage]
+    changes = []
+    for name, before, after in pairs:
+        cells = [paired_change(before.accuracies(b), after.accuracies(b))
+                 if b in before.benchmarks and b in after.benchmarks else None for b in benchmarks]
+        if any(cells):
+            changes.append(f"| {name} | " + " | ".join(
+                "" if c is None else "{:+.1f} ({:+.1f} to {:+.1f})".format(*(100 * v for v in c)) for c in cells) + " |")
+    if changes:
+        lines += ["| change | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
+                  "|---|" + "---|" * len(benchmarks), *changes, "",
+                  "Each stage's model against the one before it, and each run against the first at the same stage, on "
+                  "the same problems: the mean change of a problem's accuracy, in points, with a paired bootstrap "
+                  "interval.", ""]
+    lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
     for run in runs:
         reward = run.curves.get("reward", [])

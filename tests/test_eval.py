@@ -254,6 +254,8 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
                      "lengths": [10] * 4, "truncated": [False] * 4, "boxed": [True, True, True, False]}
                     for _ in range(30)]
         summary = {"benchmarks": {"gsm8k": summarize(problems)}, "model": model}
+        summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": sum(p["correct"]) / 4}
+                                                         for i, p in enumerate(problems)]
         write_reports(summary, folder / "eval")
         (folder / "grpo").mkdir(parents=True, exist_ok=True)
         (folder / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(
@@ -267,8 +269,9 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
         summary = {"benchmarks": {"gsm8k": summarize([{"correct": [False] * 4, "clusters": [0, 1, 2, 3],
                                                        "lengths": [10] * 4, "truncated": [False] * 4}] * 30)},
                    "model": f"{tmp_path}/sse/{model} [0]"}
+        summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": 0.0} for i in range(30)]
         write_reports(summary, tmp_path / "sse" / "eval" / stage)
-    finished_run(tmp_path / "tf", 0.6, f"{tmp_path}/tf/distill/final [def]", 0.5)
+    tf = finished_run(tmp_path / "tf", 0.6, f"{tmp_path}/tf/distill/final [def]", 0.5)
     out = tmp_path / "cmp"
     assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), "--out", str(out)]) == 0
     text = (out / "compare.md").read_text()
@@ -282,7 +285,26 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     rows = [text.index(f"| SSE-H, {stage} |") for stage in ("before training", "after distillation", "after GRPO")]
     assert rows == sorted(rows), "the pipeline's order"
     assert "| SSE-H | 10 | 0.215 -> 0.295 (mean of 2) | 900 | 3.00 MiB |" in text
+    # stage to stage, paired over the problems: distillation left every problem at 0, GRPO raised it to avg@4
+    assert "| SSE-H: before training -> after distillation | +0.0 (+0.0 to +0.0) |" in text
+    assert f"| SSE-H: after distillation -> after GRPO | {100 * sse['avg@4']:+.1f} (+" in text
+    assert f"| tf - SSE-H, after distillation | {100 * tf['avg@4']:+.1f} (" in text  # the runs at a shared stage
     assert (out / "compare.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "empty: no evaluation (summary.json)" in capsys.readouterr().err
+
+
+def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
+    """Problems of every difficulty, 30 of 100 one sample better after: the two models' intervals overlap, the
+    paired interval of the change lies above zero."""
+    from eval.metrics import bootstrap_ci
+    from pipeline.compare import paired_change
+
+    before = {f"p{i}": (i % 5) / 4 for i in range(100)}
+    after = {key: min(1.0, acc + 0.25) if i < 30 else acc for i, (key, acc) in enumerate(before.items())}
+    low_after, high_before = bootstrap_ci(list(after.values()))[0], bootstrap_ci(list(before.values()))[1]
+    assert low_after < high_before  # the separate intervals overlap
+    mean, low, high = paired_change(before, after | {"only-after": 1.0})  # a problem one side lacks is left out
+    assert mean == pytest.approx(sum(after[k] - before[k] for k in before) / 100) and 0 < low < mean < high
+    assert paired_change(before, {"other": 1.0}) is None
