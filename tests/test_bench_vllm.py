@@ -1,5 +1,7 @@
 """The vLLM peer benchmark's table (``pipeline/rollout/bench/bench_vllm.py``); the runs themselves need vLLM and a GPU."""
 
+from pathlib import Path
+
 from pipeline.rollout.bench.bench_vllm import table
 
 
@@ -22,3 +24,37 @@ def test_vllm_serving_sse_h_is_not_the_reference():
     rows = [dict(new_tokens=8192, system="vllm", model="transformer-2b", tokens=3000, seconds=1.0, peak=0),
             dict(new_tokens=8192, system="vllm", model="sse-h-2b", tokens=6000, seconds=1.0, peak=0)]
     assert table(rows).splitlines()[3] == "| 8192 | ? x ? | vllm | sse-h-2b | 6,000 | 2.00x | 0.0 |"
+
+
+def test_the_evaluation_workload_serves_a_checkpoint_on_a_benchmarks_prompts(tmp_path, capsys):
+    """``eval_workload --checkpoint``: a trained model's folder (here a tiny converted one with the character
+    tokenizer) on word problems as evaluation prompts them, each sample to its end or the token limit; the folder
+    vLLM would get with ``--vllm-detokenize off`` has every file but the tokenizer's."""
+    import pytest
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.rollout.bench.eval_workload import benchmark_workload, main, without_tokenizer
+    from pipeline.tokenizer import build_char_tokenizer
+    from sse_model.convert import convert_to_sse
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    checkpoint = tmp_path / "model"
+    convert_to_sse(llama).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    jobs = benchmark_workload(tokenizer, "word_problems", "Box it.", 12, limit=3)
+    assert len(jobs) == 3 and all(length == 12 for _, length in jobs)
+    assert "Box it." in tokenizer.decode(jobs[0][0])  # the problem, the instruction, in the chat template
+    main(["--checkpoint", str(checkpoint), "--benchmark", "word_problems", "--limit", "3", "--samples", "2",
+          "--max-new-tokens", "12", "--max-slots", "4", "--prefill-chunk-size", "256"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| sse | 4 |"))
+    assert float(row.split("|")[6].replace(",", "")) > 0  # generated tokens/s
+    (tmp_path / "ids-only").mkdir()
+    names = {p.name for p in Path(without_tokenizer(str(checkpoint), str(tmp_path / "ids-only"))).iterdir()}
+    assert "config.json" in names and "model.safetensors" in names and not any("token" in n for n in names)
+    with pytest.raises(SystemExit):  # a random model has no tokenizer to detokenize with
+        main(["--backend", "vllm", "--vllm-detokenize", "on"])
