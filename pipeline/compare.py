@@ -9,9 +9,8 @@ them, the share of answers given in a box and the accuracy of boxed answers alon
 that answers from noise read by the fallback, and a stage that gains by dropping the asked format). A second table
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
 stage, paired over the same problems where the summaries kept each problem's accuracy: tighter than two separate
-intervals, whose overlap hides a change that most problems share. The
-figure puts the accuracies with their intervals on the left and both arms' GRPO curves on the right, so an arm's
-gain reads against the other's.
+intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
+intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
 """
 
 from __future__ import annotations
@@ -98,6 +97,10 @@ def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[fl
     return (sum(diffs) / len(diffs), *bootstrap_ci(diffs))
 
 
+def _signed(change: tuple[float, float, float] | None) -> str:
+    return "" if change is None else "{:+.1f} ({:+.1f} to {:+.1f})".format(*(100 * v for v in change))
+
+
 def markdown(runs: list[Run]) -> str:
     benchmarks = list(dict.fromkeys(b for run in runs for e in run.evaluations for b in e.benchmarks))
     lines = ["| model | " + " | ".join(f"{b} (avg@n, 95% CI)" for b in benchmarks) + " |",
@@ -117,8 +120,7 @@ def markdown(runs: list[Run]) -> str:
         cells = [paired_change(before.accuracies(b), after.accuracies(b))
                  if b in before.benchmarks and b in after.benchmarks else None for b in benchmarks]
         if any(cells):
-            changes.append(f"| {name} | " + " | ".join(
-                "" if c is None else "{:+.1f} ({:+.1f} to {:+.1f})".format(*(100 * v for v in c)) for c in cells) + " |")
+            changes.append(f"| {name} | " + " | ".join(_signed(c) for c in cells) + " |")
     if changes:
         lines += ["| change | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
                   "|---|" + "---|" * len(benchmarks), *changes, "",

@@ -181,12 +181,13 @@ def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], 
     lines += ["", "| variant | model | " + " | ".join(f"{b} avg@n (95% CI)" for b in benchmarks) + " |",
               "|---|---|" + "---|" * len(benchmarks)]
     for name, model, bench in evaluated:
-        lines.append(f"| {name} | {model} | " + " | ".join(accuracy_cell(bench[b]) if b in bench else "" for b in benchmarks) + " |")
+        cells = [accuracy_cell(bench[b]) if b in bench else "" for b in benchmarks]
+        lines.append(f"| {name} | {model} | " + " | ".join(cells) + " |")
     lines += ["", f"Every variant: {' '.join(f'`{o}`' for o in common) or 'the recipe as it is'}"
               + (f", from the shared {shared} stage's model." if shared else "."),
               "Wall time of each variant from its own start; GRPO: the mean of the first and of the last 8 logged "
-              "steps (clipped: the last 8); accuracies in %, boxed: the share of answers given in a box, and their accuracy "
-              "alone."]
+              "steps (clipped: the last 8); accuracies in %, boxed: the share of answers given in a box, and their "
+              "accuracy alone."]
     return "\n".join(lines) + "\n"
 
 
