@@ -58,3 +58,5 @@ def test_the_evaluation_workload_serves_a_checkpoint_on_a_benchmarks_prompts(tmp
     assert "config.json" in names and "model.safetensors" in names and not any("token" in n for n in names)
     with pytest.raises(SystemExit):  # a random model has no tokenizer to detokenize with
         main(["--backend", "vllm", "--vllm-detokenize", "on"])
+    with pytest.raises(SystemExit):  # two vLLM engines in one process
+        main(["--checkpoint", str(checkpoint), "--backend", "vllm", "--max-slots", "256", "1024"])

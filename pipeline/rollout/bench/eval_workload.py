@@ -3,7 +3,7 @@
     python -m pipeline.rollout.bench.eval_workload --preset sse-h-smollm2 --max-slots 256 1024 --top-p 0.95 1.0
     python -m pipeline.rollout.bench.eval_workload --backend sse vllm --max-slots 1024 --prefill-chunk-size 8192
     python -m pipeline.rollout.bench.eval_workload --checkpoint runs/smollm2-135m/grpo/final --benchmark gsm8k \
-        --backend sse vllm --vllm-detokenize on off --max-slots 1024 --prefill-chunk-size 8192
+        --backend sse vllm --vllm-detokenize on --max-slots 1024 --prefill-chunk-size 8192
 
 Evaluation and GRPO with a small model are not one long batch: many requests of ``--samples`` samples each, prompts
 of varied length, completions of varied length (most short, some to the limit), so slots free and refill all the
@@ -13,7 +13,8 @@ a geometric distribution of mean ``--mean-new-tokens`` capped at ``--max-new-tok
 one row: wall time, generated tokens/s, the engine's own split of its time (decode steps, prefill, the rest: the
 host's admission and bookkeeping), decode steps, mean slot occupancy and prefill forwards. ``--backend vllm`` serves
 the same model, saved to a temporary folder, through vLLM and this package's plugin (``engine.backend: vllm``; vLLM
-on the path): wall time and generated tokens/s only, vLLM keeping no such split.
+on the path): wall time and generated tokens/s only, vLLM keeping no such split; one vLLM setting a run (its
+sleep-mode allocator takes one engine a process).
 
 ``--checkpoint`` serves a trained model instead, on a benchmark's problems as evaluation prompts them
 (``--benchmark``, ``--instruction``), each sample to its end of sequence or ``--max-new-tokens``: evaluation's own
@@ -107,12 +108,14 @@ def main(argv=None) -> None:
     parser.add_argument("--instruction", default=None, help="with --checkpoint: the prompt's instruction "
                         "(default: evaluation's)")
     parser.add_argument("--limit", type=int, default=None, help="with --checkpoint: the first problems only")
-    parser.add_argument("--vllm-detokenize", nargs="+", default=None, choices=["on", "off"],
+    parser.add_argument("--vllm-detokenize", default=None, choices=["on", "off"],
                         help="on (with --checkpoint, the default): vLLM detokenizes as in evaluation; off: vLLM gets "
                              "the checkpoint without its tokenizer")
     args = parser.parse_args(argv)
-    if not args.checkpoint and args.vllm_detokenize not in (None, ["off"]):
+    if not args.checkpoint and args.vllm_detokenize == "on":
         parser.error("--vllm-detokenize on needs --checkpoint: a random model has no tokenizer to detokenize with")
+    if "vllm" in args.backend and len(args.max_slots) * len(args.top_p) * len(args.prefill_chunk_size) > 1:
+        parser.error("one vLLM engine a process (its sleep-mode allocator takes one): give vLLM one setting a run")
     import kernels
     from sse_model import SSEConfig, SSEForCausalLM
 
@@ -132,7 +135,7 @@ def main(argv=None) -> None:
                                   args.limit)
         max_len = max(len(prompt) for prompt, _ in jobs) + args.max_new_tokens
         served = {"on": args.checkpoint, "off": without_tokenizer(args.checkpoint, folder.name)}
-        args.vllm_detokenize = args.vllm_detokenize or ["on"]
+        args.vllm_detokenize = args.vllm_detokenize or "on"
         print(f"{args.checkpoint}: {len(jobs)} {args.benchmark} problems x {args.samples} samples, to the end of "
               f"sequence or {args.max_new_tokens} tokens", end="")
     else:
@@ -144,13 +147,12 @@ def main(argv=None) -> None:
         if "vllm" in args.backend:  # vLLM serves a checkpoint folder (no tokenizer: it detokenizes nothing)
             model.save_pretrained(folder.name)
         served = {"off": folder.name}
-        args.vllm_detokenize = ["off"]
+        args.vllm_detokenize = "off"
         print(f"{args.preset}: {args.requests} requests x {args.samples} samples, prompts {args.prompt_len[0]}-"
               f"{args.prompt_len[1]} tokens, completions mean {args.mean_new_tokens} capped at "
               f"{args.max_new_tokens}", end="")
     print(f"; {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}\n", flush=True)
-    settings = [(backend, detok) for backend in args.backend
-                for detok in (args.vllm_detokenize if backend == "vllm" else [None])]
+    settings = [(backend, args.vllm_detokenize if backend == "vllm" else None) for backend in args.backend]
     rows = []
     for (backend, detok), slots, top_p, chunk in itertools.product(settings, args.max_slots, args.top_p,
                                                                    args.prefill_chunk_size):
