@@ -52,10 +52,9 @@ def markdown_table(summary: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in benches.items():
         n = m["repeats"]
-        lo, hi = m[f"avg@{n}_ci95"]
         pass_n = m["pass@k"][n] if n in m["pass@k"] else m["pass@k"][str(n)]
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
-        lines.append(f"| {name} | {m['problems']} | {n} | {100 * m[f'avg@{n}']:.1f} ({100 * lo:.1f}-{100 * hi:.1f}) | "
+        lines.append(f"| {name} | {m['problems']} | {n} | {_percent_ci(accuracy(m))} | "
                      f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "
                      f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} | "
                      f"{_percent_ci(accuracy(m, boxed=True))} |")
