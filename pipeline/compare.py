@@ -8,8 +8,9 @@ step) and its rollout engines (generated tokens/s over the logged steps, the rec
 them, the share of answers given in a box and the accuracy of boxed answers alone: near the floor they tell a model
 that answers from noise read by the fallback, and a stage that gains by dropping the asked format). A second table
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
-stage, paired over the same problems where the summaries kept each problem's accuracy: tighter than two separate
-intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
+stage, and a run whose training started from another run's model (``<stage>/started_from.json``, e.g. GRPO variants
+from one distilled model) against that model's evaluation, paired over the same problems where the summaries kept
+each problem's accuracy: tighter than two separate intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
 intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
 """
 
@@ -33,6 +34,7 @@ STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distil
 class Evaluation:
     stage: str
     benchmarks: dict[str, dict]  # name -> its metrics in the evaluation's summary
+    model: str = ""  # the checkpoint it scored, with its fingerprint (the summary's ``model``)
 
     def accuracies(self, benchmark: str) -> dict[str, float]:
         """Each problem's accuracy (id -> mean over its samples), where the summary kept them."""
@@ -47,6 +49,7 @@ class Run:
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # reward, accuracy: (step, value)
     tokens_per_s: float | None = None
     state_bytes: int | None = None
+    starts: dict[str, str] = field(default_factory=dict)  # stage ("after GRPO") -> the model its training started from
 
 
 def stage_of(model: str, where: Path, run: Path) -> str:
@@ -68,12 +71,16 @@ def read_run(label: str, folder: Path) -> Run:
         if ".replaced-" in str(path.relative_to(folder)):  # outputs a --redo moved aside
             continue
         summary = json.loads(path.read_text())
-        run.evaluations.append(Evaluation(stage_of(summary.get("model") or "", path.parent, folder),
-                                          summary.get("benchmarks", {})))
+        model = summary.get("model") or ""
+        run.evaluations.append(Evaluation(stage_of(model, path.parent, folder), summary.get("benchmarks", {}), model))
     order = [stage for _, stage in reversed(STAGE_OF_PATH)]  # the pipeline's order; other evaluations last
     run.evaluations.sort(key=lambda e: order.index(e.stage) if e.stage in order else len(order))
     if not run.evaluations:
         raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
+    for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.run._record_start)
+        record = folder / pattern.split("/")[1] / "started_from.json"
+        if pattern.endswith("/final") and record.exists():
+            run.starts[stage] = json.loads(record.read_text())["model"]
     rows = read_metrics(folder / "grpo" / "metrics.jsonl")
     for key, name in (("reward", "reward"), ("rewards/accuracy/mean", "accuracy")):
         points = sorted({r["step"]: r[key] for r in rows if isinstance(r.get(key), (int, float))}.items())
@@ -115,6 +122,10 @@ def markdown(runs: list[Run]) -> str:
              for run in runs for earlier, later in zip(run.evaluations, run.evaluations[1:])]
     pairs += [(f"{run.label} - {runs[0].label}, {e.stage}", first, e) for run in runs[1:] for e in run.evaluations
               for first in runs[0].evaluations if first.stage == e.stage]
+    # a run started from another run's model (--checkpoint): its stage against that model's evaluation
+    pairs += [(f"{run.label}: {other.label}, {start.stage} -> {e.stage}", start, e) for run in runs
+              for e in run.evaluations if e.stage in run.starts for other in runs if other is not run
+              for start in other.evaluations if start.model and start.model == run.starts[e.stage]]
     changes = []
     for name, before, after in pairs:
         cells = [paired_change(before.accuracies(b), after.accuracies(b))
@@ -124,9 +135,9 @@ def markdown(runs: list[Run]) -> str:
     if changes:
         lines += ["| change | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
                   "|---|" + "---|" * len(benchmarks), *changes, "",
-                  "Each stage's model against the one before it, and each run against the first at the same stage, on "
-                  "the same problems: the mean change of a problem's accuracy, in points, with a paired bootstrap "
-                  "interval.", ""]
+                  "Each stage's model against the one before it, each run against the first at the same stage, and "
+                  "a run started from another run's model against that model, on the same problems: the mean change "
+                  "of a problem's accuracy, in points, with a paired bootstrap interval.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
     for run in runs:

@@ -328,9 +328,11 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
         if stage == "align":
             start = _stored(recipe, current, "align") if current else None
+            _record_start(stage_dir, start)
             current = ray.get(ray.remote(**where["whole"])(_align_task).remote(recipe, str(stage_dir), start))
         elif stage == "distill":
             start = _stored(recipe, current, "distill") if current else None
+            _record_start(stage_dir, start)
             if recipe.distill.num_workers > 1:
                 current = run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
                                             [where["train_worker"]] * recipe.distill.num_workers, "distill")
@@ -339,6 +341,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 current = ray.get(task.remote(recipe, str(stage_dir), start))
         elif stage == "grpo":
             start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo")
+            _record_start(stage_dir, start_from)
             plan = where["grpo"]
             group = reserve(plan)
             try:
@@ -365,6 +368,19 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         timings[stage] = time.time() - stage_start
     report = write_report(recipe, out, timings, time.time() - started)
     return report
+
+
+def _record_start(stage_dir: Path, start: str | None) -> None:
+    """``<stage>/started_from.json``: the model a training stage starts from, named as evaluations name the model
+    they scored (:func:`~pipeline.stages.evaluate.model_id`), so that ``sse-pipeline compare`` pairs a run started
+    from another run's model (``--checkpoint``) with that model's evaluation. None: a fresh model (nothing to pair)."""
+    if start is None:
+        return
+    from eval.report import atomic_write
+
+    from .stages.evaluate import model_id
+
+    atomic_write(stage_dir / "started_from.json", json.dumps({"model": model_id(str(start))}) + "\n")
 
 
 def time_split(rows: list[dict]) -> list[str]:

@@ -272,8 +272,12 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
         summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": 0.0} for i in range(30)]
         write_reports(summary, tmp_path / "sse" / "eval" / stage)
     tf = finished_run(tmp_path / "tf", 0.6, f"{tmp_path}/tf/distill/final [def]", 0.5)
+    # GRPO from SSE-H's distilled model (--checkpoint): paired with that model's evaluation in the other run
+    variant = finished_run(tmp_path / "variant", 0.5, f"{tmp_path}/variant/grpo/final [123]", 0.3)
+    (tmp_path / "variant" / "grpo" / "started_from.json").write_text(json.dumps({"model": f"{tmp_path}/sse/distill/final [0]"}))
     out = tmp_path / "cmp"
-    assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), "--out", str(out)]) == 0
+    assert main(["compare", f"SSE-H={tmp_path / 'sse'}", str(tmp_path / "tf"), str(tmp_path / "variant"),
+                 "--out", str(out)]) == 0
     text = (out / "compare.md").read_text()
     low, high = sse["avg@4_ci95"]
     boxed, (boxed_low, boxed_high) = sse["boxed_avg@4"], sse["boxed_avg@4_ci95"]
@@ -289,6 +293,8 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert "| SSE-H: before training -> after distillation | +0.0 (+0.0 to +0.0) |" in text
     assert f"| SSE-H: after distillation -> after GRPO | {100 * sse['avg@4']:+.1f} (+" in text
     assert f"| tf - SSE-H, after distillation | {100 * tf['avg@4']:+.1f} (" in text  # the runs at a shared stage
+    assert f"| variant: SSE-H, after distillation -> after GRPO | {100 * variant['avg@4']:+.1f} (+" in text
+    assert "| variant: tf," not in text  # the Transformer's distilled model is another model
     assert (out / "compare.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(out)]) == 2

@@ -70,6 +70,10 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     assert last > first + 0.15, f"reward did not rise: {[round(r, 2) for r in rewards]}"
     print("GRPO format reward per step:", [round(r, 2) for r in rewards])
     assert (tmp_path / "grpo" / "reward_curve.png").exists()
+    from pipeline.stages.evaluate import model_id
+
+    started = json.loads((tmp_path / "grpo" / "started_from.json").read_text())["model"]
+    assert started == model_id(str(checkpoint)), "named as its evaluation names it, for sse-pipeline compare"
     row = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r][-1]
     for key in ("time/rollout_s", "time/reward_s", "time/train_s", "entropy", "completions/mean_length",
                 "balance_loss"):

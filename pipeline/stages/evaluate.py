@@ -33,17 +33,18 @@ def sampling_of(recipe: Recipe) -> SamplingConfig:
                           seed=recipe.seed)
 
 
-def _model_id(location: str) -> str:
-    """What is evaluated, the same on every node: a stored model's URI and upload, else the checkpoint's fingerprint."""
+def model_id(location: str) -> str:
+    """What a model location names, the same on every node: a stored model's URI and upload, else the checkpoint's
+    fingerprint. Evaluations record it as the model they scored, training stages as the model they started from."""
     return identity(location) if is_stored(location) else model_identity(str(materialize(location)))
 
 
-def _shard_store(recipe: Recipe, workers: int, model_id: str) -> str | None:
+def _shard_store(recipe: Recipe, workers: int, scored: str) -> str | None:
     """Where sharded generations meet when the recipe has a storage location (workers on other nodes): per model
     evaluated, so that an evaluation of another model never takes these."""
     if recipe.storage is None or workers <= 1:
         return None
-    return recipe.stored_at("eval", "generations", hashlib.sha1(model_id.encode()).hexdigest()[:12])
+    return recipe.stored_at("eval", "generations", hashlib.sha1(scored.encode()).hexdigest()[:12])
 
 
 def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> None:
@@ -52,8 +53,8 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     are fetched before (resuming) and stored after, so workers on any node need no common output folder."""
     cfg = recipe.eval
     device = resolve_device(recipe.device)
-    model_id = _model_id(location)
-    store = _shard_store(recipe, shard[1], model_id)
+    scored = model_id(location)
+    store = _shard_store(recipe, shard[1], scored)
     generations = Path(out_dir) / "generations"
     mine = f"*.shard{shard[0]}of{shard[1]}.jsonl"
     if store is not None:  # with the settings they were made with, which generate() holds them to
@@ -73,7 +74,7 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     else:
         backend = HFGenerateBackend(model, tokenizer)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
-             instruction=recipe.prompt_instruction, shard=shard, model_id=model_id,
+             instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
              max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
     if store is not None:
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
@@ -89,7 +90,7 @@ def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus
         return
     task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
     ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
-    store = _shard_store(recipe, workers, _model_id(str(checkpoint)))
+    store = _shard_store(recipe, workers, model_id(str(checkpoint)))
     if store is not None:  # every worker's shards, wherever it ran
         get_files(store, out_dir / "generations")
 
