@@ -361,7 +361,10 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
             for name in recipe.eval.models:
                 model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
                 model_dir = str(stage_dir if name == "last" else stage_dir / name)
+                began = time.time()
                 node = ray.get(generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")), where["eval_gpus"]))
+                logger.info("eval: %s: generations in %.0f s (the task's start, loading and engine included)", name,
+                            time.time() - began)
                 on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
                 scoring.append(score.options(scheduling_strategy=on_node).remote(recipe, model_dir))
             ray.get(scoring)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import ray
@@ -60,8 +61,10 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     if store is not None:  # with the settings they were made with, which generate() holds them to
         get_files(store, generations, mine)
         get_files(store, generations, "*.settings.json")
+    started = time.perf_counter()
     checkpoint = str(materialize(location))
     model, tokenizer = load_model(recipe.model, checkpoint)
+    loaded = time.perf_counter()
     served_by_vllm = cfg.backend == "engine" and cfg.engine.backend == "vllm"
     model = model.eval() if served_by_vllm else model.to(device).eval()  # vLLM loads the checkpoint itself
     if cfg.backend == "engine":
@@ -73,6 +76,9 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
         backend = EngineBackend(engine)
     else:
         backend = HFGenerateBackend(model, tokenizer)
+    # what a model costs before its first token (the per-model overhead of evaluating several), in the run's log
+    print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {time.perf_counter() - loaded:.1f} s",
+          flush=True)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
              instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
              max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
