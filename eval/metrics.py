@@ -111,5 +111,6 @@ def summarize(problems: list[dict], seed: int = 0) -> dict:
         result["boxed_rate"] = sum(boxed) / len(boxed) if boxed else 0.0
         strict = [[c and b for c, b in zip(row, p["boxed"][:n])] for row, p in zip(correct, problems)]
         result[f"boxed_avg@{n}"] = avg_at_k(strict)
-        result[f"boxed_avg@{n}_ci95"] = bootstrap_ci([sum(row) / n for row in strict], seed=seed)
+        result["per_problem_boxed_accuracy"] = [sum(row) / n for row in strict]
+        result[f"boxed_avg@{n}_ci95"] = bootstrap_ci(result["per_problem_boxed_accuracy"], seed=seed)
     return result

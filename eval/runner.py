@@ -230,7 +230,9 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
     summary["reward_stats"] = stats.as_dict()
     summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
     summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})
-    summary["per_problem"] = [{"id": p.id, "accuracy": acc, "answers": answers[i * repeats:(i + 1) * repeats]}
+    boxed = summary.pop("per_problem_boxed_accuracy")  # each problem's strict reading, for paired comparisons
+    summary["per_problem"] = [{"id": p.id, "accuracy": acc, "boxed_accuracy": boxed[i],
+                               "answers": answers[i * repeats:(i + 1) * repeats]}
                               for i, (p, acc) in enumerate(zip(problems, summary.pop("per_problem_accuracy")))]
     return summary
 

@@ -10,7 +10,8 @@ that answers from noise read by the fallback, and a stage that gains by dropping
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
 stage, and a run whose training started from another run's model (``<stage>/started_from.json``, e.g. GRPO variants
 from one distilled model) against that model's evaluation, paired over the same problems where the summaries kept
-each problem's accuracy: tighter than two separate intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
+each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
+separate intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
 intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
 """
 
@@ -36,9 +37,10 @@ class Evaluation:
     benchmarks: dict[str, dict]  # name -> its metrics in the evaluation's summary
     model: str = ""  # the checkpoint it scored, with its fingerprint (the summary's ``model``)
 
-    def accuracies(self, benchmark: str) -> dict[str, float]:
-        """Each problem's accuracy (id -> mean over its samples), where the summary kept them."""
-        return {p["id"]: p["accuracy"] for p in self.benchmarks[benchmark].get("per_problem", [])}
+    def accuracies(self, benchmark: str, reading: str = "accuracy") -> dict[str, float]:
+        """Each problem's accuracy (id -> mean over its samples), where the summary kept them; ``reading``
+        "boxed_accuracy": counting boxed answers alone."""
+        return {p["id"]: p[reading] for p in self.benchmarks[benchmark].get("per_problem", []) if reading in p}
 
 
 @dataclass
@@ -126,18 +128,21 @@ def markdown(runs: list[Run]) -> str:
     pairs += [(f"{run.label}: {other.label}, {start.stage} -> {e.stage}", start, e) for run in runs
               for e in run.evaluations if e.stage in run.starts for other in runs if other is not run
               for start in other.evaluations if start.model and start.model == run.starts[e.stage]]
-    changes = []
-    for name, before, after in pairs:
-        cells = [paired_change(before.accuracies(b), after.accuracies(b))
-                 if b in before.benchmarks and b in after.benchmarks else None for b in benchmarks]
-        if any(cells):
-            changes.append(f"| {name} | " + " | ".join(_signed(c) for c in cells) + " |")
-    if changes:
-        lines += ["| change | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
-                  "|---|" + "---|" * len(benchmarks), *changes, "",
-                  "Each stage's model against the one before it, each run against the first at the same stage, and "
+    for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
+        changes = []
+        for name, before, after in pairs:
+            cells = [paired_change(before.accuracies(b, reading), after.accuracies(b, reading))
+                     if b in before.benchmarks and b in after.benchmarks else None for b in benchmarks]
+            if any(cells):
+                changes.append(f"| {name} | " + " | ".join(_signed(c) for c in cells) + " |")
+        if changes:
+            lines += [f"| {title} | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
+                      "|---|" + "---|" * len(benchmarks), *changes, ""]
+    if any(line.startswith("| change") for line in lines):
+        lines += ["Each stage's model against the one before it, each run against the first at the same stage, and "
                   "a run started from another run's model against that model, on the same problems: the mean change "
-                  "of a problem's accuracy, in points, with a paired bootstrap interval.", ""]
+                  "of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
+                  "evaluations kept each problem's boxed answers' accuracy.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
     for run in runs:

@@ -66,6 +66,7 @@ def test_the_summary_counts_answers_given_in_a_box():
     assert summary["avg@2"] == pytest.approx(0.75)  # three right: two of them read without a box
     assert summary["boxed_rate"] == pytest.approx(0.5)
     assert summary["boxed_avg@2"] == pytest.approx(0.25)  # one right answer of four was boxed
+    assert [(q["accuracy"], q["boxed_accuracy"]) for q in summary["per_problem"]] == [(1.0, 0.5), (0.5, 0.0)]
     lo, hi = summary["boxed_avg@2_ci95"]
     assert f"| 0.0% | 50% | 25.0 ({100 * lo:.1f}-{100 * hi:.1f}) |" in markdown_table({"benchmarks": {"toy": summary}})
 
@@ -254,8 +255,9 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
                      "lengths": [10] * 4, "truncated": [False] * 4, "boxed": [True, True, True, False]}
                     for _ in range(30)]
         summary = {"benchmarks": {"gsm8k": summarize(problems)}, "model": model}
-        summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": sum(p["correct"]) / 4}
-                                                         for i, p in enumerate(problems)]
+        summary["benchmarks"]["gsm8k"]["per_problem"] = [
+            {"id": f"p{i}", "accuracy": sum(p["correct"]) / 4,
+             "boxed_accuracy": sum(c and b for c, b in zip(p["correct"], p["boxed"])) / 4} for i, p in enumerate(problems)]
         write_reports(summary, folder / "eval")
         (folder / "grpo").mkdir(parents=True, exist_ok=True)
         (folder / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(
@@ -270,6 +272,9 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
                                                        "lengths": [10] * 4, "truncated": [False] * 4}] * 30)},
                    "model": f"{tmp_path}/sse/{model} [0]"}
         summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": 0.0} for i in range(30)]
+        if stage == "distill":  # the initial model's summary predates the boxed reading
+            for problem in summary["benchmarks"]["gsm8k"]["per_problem"]:
+                problem["boxed_accuracy"] = 0.0
         write_reports(summary, tmp_path / "sse" / "eval" / stage)
     tf = finished_run(tmp_path / "tf", 0.6, f"{tmp_path}/tf/distill/final [def]", 0.5)
     # GRPO from SSE-H's distilled model (--checkpoint): paired with that model's evaluation in the other run
@@ -295,6 +300,9 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert f"| tf - SSE-H, after distillation | {100 * tf['avg@4']:+.1f} (" in text  # the runs at a shared stage
     assert f"| variant: SSE-H, after distillation -> after GRPO | {100 * variant['avg@4']:+.1f} (+" in text
     assert "| variant: tf," not in text  # the Transformer's distilled model is another model
+    boxed_changes = text.split("| change, boxed alone |")[1]  # the same pairs counting boxed answers alone
+    assert f"| SSE-H: after distillation -> after GRPO | {100 * sse['boxed_avg@4']:+.1f} (+" in boxed_changes
+    assert "before training -> after distillation" not in boxed_changes  # one side never counted boxes
     assert (out / "compare.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(out)]) == 2
