@@ -157,6 +157,18 @@ def markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def palette(n: int) -> list:
+    """``n`` distinct colours: matplotlib's ten, twenty, or as many as asked from a continuous map (the default
+    cycle repeats after ten, and a comparison of a few runs' every stage has more bars than that)."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [colormaps["tab20"](i) for i in range(n)]
+    return [colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def plot(runs: list[Run], path: Path) -> None:
     import matplotlib
 
@@ -165,9 +177,10 @@ def plot(runs: list[Run], path: Path) -> None:
 
     rows = [(f"{run.label}, {e.stage}", e) for run in runs for e in run.evaluations]
     benchmarks = list(dict.fromkeys(b for _, e in rows for b in e.benchmarks))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    legend_rows = (max(len(rows), 2 * len(runs)) + 1) // 2  # legends below the axes, two columns each
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5 + 0.16 * legend_rows))
     width = 0.8 / max(len(rows), 1)
-    for i, (name, e) in enumerate(rows):
+    for i, ((name, e), colour) in enumerate(zip(rows, palette(len(rows)))):
         xs, ys, lo, hi = [], [], [], []
         for j, b in enumerate(benchmarks):
             if b in e.benchmarks:
@@ -176,25 +189,24 @@ def plot(runs: list[Run], path: Path) -> None:
                 ys.append(100 * avg)
                 lo.append(100 * (avg - low))
                 hi.append(100 * (high - avg))
-        left.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name)
+        left.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=name, color=colour)
     left.set_xticks(range(len(benchmarks)), benchmarks)
     left.set_ylabel("avg@n accuracy (%)")
     left.set_title("Accuracy (95% CI)")
-    left.legend(fontsize=7)
-    for i, run in enumerate(runs):  # one colour a run: solid reward, dashed accuracy
+    left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    for run, colour in zip(runs, palette(len(runs))):  # one colour a run: solid reward, dashed accuracy
         for name, style in (("reward", "-"), ("accuracy", "--")):
             points = run.curves.get(name)
             if points:
                 steps = [s for s, _ in points]
                 values = moving_average([v for _, v in points], max(1, len(points) // 10))
-                right.plot(steps, values, style, color=f"C{i}", label=f"{run.label}: {name}")
+                right.plot(steps, values, style, color=colour, label=f"{run.label}: {name}")
     right.set_xlabel("GRPO step")
     right.set_title("GRPO reward and accuracy (moving average)")
     if right.lines:
-        right.legend(fontsize=7)
-    fig.tight_layout()
+        right.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

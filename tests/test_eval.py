@@ -304,6 +304,10 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert f"| SSE-H: after distillation -> after GRPO | {100 * sse['boxed_avg@4']:+.1f} (+" in boxed_changes
     assert "before training -> after distillation" not in boxed_changes  # one side never counted boxes
     assert (out / "compare.png").stat().st_size > 10_000
+    from pipeline.compare import palette
+
+    for n in (3, 12, 25):  # a colour a bar: the default cycle repeats after ten
+        assert len(set(palette(n))) == n
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "empty: no evaluation (summary.json)" in capsys.readouterr().err
