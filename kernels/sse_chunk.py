@@ -196,12 +196,12 @@ def _intra_grads(dA, q, k, gc, C: tl.constexpr, DT: tl.constexpr, IEEE: tl.const
 
 @triton.jit
 def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
-            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, DT: tl.constexpr,
-            IEEE: tl.constexpr, SPARSE: tl.constexpr):
+            H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+            DT: tl.constexpr, IEEE: tl.constexpr, SPARSE: tl.constexpr):
     """The state pass over one segment's chunks from state ``b_h``: stores each chunk's initial state at
-    ``h_tile`` (chunk after chunk), returns the final one."""
+    ``h_tile`` (chunk after chunk, in states of ``HS`` heads), returns the final one."""
     for j in range(0, tl.cdiv(eos - bos, C)):
-        tl.store(h_tile + j * H * K * V, b_h.to(h_tile.dtype.element_ty), mask=tmask)
+        tl.store(h_tile + j * HS * K * V, b_h.to(h_tile.dtype.element_ty), mask=tmask)
         t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, ww, ww, wm, C, SPARSE)
         kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
         gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
@@ -212,26 +212,29 @@ def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v,
     return b_h
 
 
-@triton.jit(do_not_specialize=["L", "S", "NP", "seg0"])
+@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "H0"])
 def _fwd_h(
     k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off,
-    L, S, NP, seg0,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+    L, S, NP, seg0, H0,
+    H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    i_kv, seg, i_h = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
+    # heads H0 .. H0 + HS of H (a group of them in the backward, see _backward); h holds HS heads
+    i_kv, seg, i_s = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
+    i_h = H0 + i_s
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
-    h_tile = h + (c0 * H + i_h) * K * V + tile
+    h_tile = h + (c0 * HS + i_s) * K * V + tile
     if seg >= S:
         b_h = _walk_h(k_sp, g_sp, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
-                      H, K, V, C, DT, IEEE, True)
+                      H, HS, K, V, C, DT, IEEE, True)
     else:
         b_h = _walk_h(k_sh, g_sh, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
-                      H, K, V, C, DT, IEEE, False)
+                      H, HS, K, V, C, DT, IEEE, False)
     if STORE_HT:
         tl.store(ht + (srow * H + i_h) * K * V + tile, b_h, mask=tmask)
 
@@ -275,14 +278,14 @@ def _fwd_o(
 
 @triton.jit
 def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv, tmask,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, DT: tl.constexpr,
-             IEEE: tl.constexpr, SPARSE: tl.constexpr):
+             H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+             DT: tl.constexpr, IEEE: tl.constexpr, SPARSE: tl.constexpr):
     """The state-gradient pass over one segment's chunks, last to first, from ``b_dh``: stores the gradient
     of each chunk's final state at ``dh_tile`` (chunk after chunk), returns that of the initial state."""
     n = tl.cdiv(eos - bos, C)
     for jj in range(0, n):
         j = n - 1 - jj
-        tl.store(dh_tile + j * H * K * V, b_dh.to(dh_tile.dtype.element_ty), mask=tmask)
+        tl.store(dh_tile + j * HS * K * V, b_dh.to(dh_tile.dtype.element_ty), mask=tmask)
         t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, rw, rw, wm, C, SPARSE)
         qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
         gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
@@ -293,39 +296,42 @@ def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs
     return b_dh
 
 
-@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "scale"])
+@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "H0", "scale"])
 def _bwd_dh(
     q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, scale,
-    L, S, NP, seg0,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
+    L, S, NP, seg0, H0,
+    H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    i_kv, seg, i_h = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
+    i_kv, seg, i_s = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
+    i_h = H0 + i_s
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
-    dh_tile = dh + (c0 * H + i_h) * K * V + tile
+    dh_tile = dh + (c0 * HS + i_s) * K * V + tile
     if seg >= S:
         b_dh = _walk_dh(q_sp, g_sp, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv,
-                        tmask, H, K, V, C, DT, IEEE, True)
+                        tmask, H, HS, K, V, C, DT, IEEE, True)
     else:
         b_dh = _walk_dh(q_sh, g_sh, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv,
-                        tmask, H, K, V, C, DT, IEEE, False)
+                        tmask, H, HS, K, V, C, DT, IEEE, False)
     if STORE_DH0:
         tl.store(dh0 + (srow * H + i_h) * K * V + tile, b_dh, mask=tmask)
 
 
-@triton.jit(do_not_specialize=["L", "scale"])
+@triton.jit(do_not_specialize=["L", "H0", "scale"])
 def _bwd_dv(
     q, k, g, do, dh, dv, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
-    L,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NK: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr,
-    SAFE: tl.constexpr, SPARSE: tl.constexpr,
+    L, H0,
+    H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NK: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, ACCUM: tl.constexpr, DT: tl.constexpr,
+    IEEE: tl.constexpr, SAFE: tl.constexpr, SPARSE: tl.constexpr,
 ):
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_c, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = H0 + i_s
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
@@ -341,7 +347,7 @@ def _bwd_dv(
         gc = tl.cumsum(gg, axis=0)
         gl = tl.sum(gg, axis=0)
         b_A += _intra_A(qq, kk, gc, qq * tl.exp2(gc), C, DT, IEEE, SAFE)
-        dhh = tl.load(dh + (gid * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
+        dhh = tl.load(dh + (gid * HS + i_s) * K * V + offs_k[:, None] * V + offs_v[None, :],
                       mask=mk[:, None] & mv[None, :], other=0.0)
         b_dv += _dot(kk * tl.exp2(gl[None, :] - gc), dhh, DT, IEEE)
     rows = tl.arange(0, C)
@@ -354,15 +360,16 @@ def _bwd_dv(
         _store(dv, b_dv, start - L + rows, valid, i_h, H, V, offs_v, mv, False)
 
 
-@triton.jit(do_not_specialize=["L", "scale"])
+@triton.jit(do_not_specialize=["L", "H0", "scale"])
 def _bwd_dqkg(
     q, k, g, v, do, h, dh, dq, dk, dg, dab, tok, rw, ww, wm, ids, chunk_seg, chunk_start, cu_seg, scale,
-    L,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NK: tl.constexpr, NV: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, GATE_GRADS: tl.constexpr,
+    L, H0,
+    H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, OUT_BY_TOKEN: tl.constexpr, GATE_GRADS: tl.constexpr,
     DT: tl.constexpr, IEEE: tl.constexpr, SAFE: tl.constexpr, SPARSE: tl.constexpr,
 ):
-    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_c, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = H0 + i_s
     gid = tl.load(ids + i_c).to(tl.int64)
     if gid < 0:
         return
@@ -384,7 +391,7 @@ def _bwd_dqkg(
         mv = offs_v < V
         dd = _load(do, t, valid, i_h, H, V, offs_v, mv)
         vv = _load(v, t, valid, i_h, H, V, offs_v, mv) * m[:, None]
-        tile = (gid * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :]
+        tile = (gid * HS + i_s) * K * V + offs_k[:, None] * V + offs_v[None, :]
         tmask = mk[:, None] & mv[None, :]
         hh = tl.load(h + tile, mask=tmask, other=0.0)
         dhh = tl.load(dh + tile, mask=tmask, other=0.0)
@@ -477,6 +484,9 @@ class _Call:
     scale: float
     output_final_state: bool
     safe: float = SAFE_LOG2
+    # > 1: the backward makes the chunk states again, this many groups of heads one after another, instead of
+    # keeping the forward's (SSEOptions.backward_head_groups)
+    head_groups: int = 1
 
 
 def _dot_type(v: torch.Tensor):
@@ -546,7 +556,8 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
     walk = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
             dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off, L, S, NP)
-    walk_opts = dict(H=H, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE, **seq)
+    walk_opts = dict(H=H, HS=H, H0=0, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT,
+                     IEEE=IEEE, **seq)
     # the shared outputs are added to the sparse ones where each token has exactly one pair (K = 1)
     by_token = sparse and call.position.shape[1] == 1
     if sparse:
@@ -570,8 +581,34 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     return o, ht, h
 
 
+def _states(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h0, first: int, heads: int) -> torch.Tensor:
+    """Every chunk's initial state for heads ``first .. first + heads`` (``[chunks, heads, K, V]``): the forward's
+    state pass again, for a backward that does not keep the forward's states (``_Call.head_groups``)."""
+    plan = call.plan
+    L, H, K = k_sh.shape
+    V = v.shape[-1]
+    S, NP = plan.num_seqs, plan.num_sparse_partitions
+    DT, IEEE = _dot_type(v)
+    sparse = call.tok is not None
+    dummy = plan.cu_seg
+    tok, ww_, wm_ = (call.tok, ww, wm) if sparse else (dummy,) * 3
+    seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
+    tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
+    h = torch.empty(plan.max_chunks, heads, K, V, device=v.device, dtype=v.dtype)
+    walk = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
+            dummy if h0 is None else h0, dummy, plan.cu_seg, plan.chunk_off, L, S, NP)
+    opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=plan.chunk, USE_H0=h0 is not None, STORE_HT=False, DT=DT,
+                IEEE=IEEE, **seq)
+    _fwd_h[(tiles, S, heads)](*walk, 0, **opts)
+    if sparse:
+        _fwd_h[(tiles, S * NP, heads)](*walk, S, **opts)
+    return h
+
+
 def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0, h):
-    """Gradients of every input; ``h``: the chunk states the forward kept."""
+    """Every gradient, from the forward's chunk states ``h``, or (``h`` None) a group of heads at a time with
+    each group's states made again and its state gradients freed before the next group's: the states and their
+    gradients of all heads are then never alive at once."""
     plan = call.plan
     L, H, K = q_sh.shape
     V = v.shape[-1]
@@ -582,15 +619,12 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     dummy = plan.cu_seg
     tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
     do = do.contiguous()
-    dh = torch.empty_like(h)
+    dht = None if dht is None else dht.contiguous()
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
+    heads = H if h is not None else H // call.head_groups
     seq = _cfg("bwd_dh", K, V, "BK", "BV", "NV")
     tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
-    walk = (q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
-            dummy if dht is None else dht.contiguous(), dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
-            call.scale, L, S, NP)
-    walk_opts = dict(H=H, K=K, V=V, C=C, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq)
-    base = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe)
+    base = dict(H=H, HS=heads, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe)
     dv_cfg = {**base, **_cfg("bwd_dv", K, V, "BK", "BV", "NK")}
     dq_cfg = {**base, **_cfg("bwd_dqkg", K, V, "BK", "BV", "NK", "NV")}
     NV, NK = triton.cdiv(V, dv_cfg["BV"]), dq_cfg["NK"]
@@ -607,34 +641,43 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         else:
             outs = [torch.empty(P, H, K, device=v.device, dtype=torch.float32) for _ in range(3)]
         dab = torch.empty(P, 2, H, NK, device=v.device, dtype=torch.float32)
-    overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
-    _bwd_dh[(tiles, S, H)](*walk, 0, **walk_opts)
-    if sparse:  # on the side stream: the sparse state-gradient walk, dv and dq / dk / dg (see _Overlap)
-        with overlap:
-            _bwd_dh[(tiles, S * NP, H)](*walk, S, **walk_opts)
-            _bwd_dv[(NV, plan.launch_sparse.numel(), H)](
-                q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-                OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **dv_cfg,
-            )
-            dv_done = torch.cuda.Event() if overlap.side is not None else None
-            if dv_done is not None:
-                dv_done.record(overlap.side)
-            _bwd_dqkg[(NK, plan.launch_sparse.numel(), H)](
-                q_sp, k_sp, g_sp, v, do, h, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
-                OUT_BY_TOKEN=by_token, GATE_GRADS=True, SPARSE=True, **dq_cfg,
-            )
-        if dv_done is not None:  # the shared dv adds into the sparse one
-            overlap.main.wait_event(dv_done)
-    _bwd_dv[(NV, plan.launch_shared.numel(), H)](
-        q_sh, k_sh, g_sh, do, dh, dv, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, ACCUM=by_token, SPARSE=False, **dv_cfg,
-    )
-    _bwd_dqkg[(NK, plan.launch_shared.numel(), H)](
-        q_sh, k_sh, g_sh, v, do, h, dh, *grads, dummy, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
-        OUT_BY_TOKEN=True, GATE_GRADS=False, SPARSE=False, **dq_cfg,
-    )
+    for first in range(0, H, heads):
+        hs = h if h is not None else _states(call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h0, first, heads)
+        dh = torch.empty(plan.max_chunks, heads, K, V, device=v.device, dtype=v.dtype)
+        walk = (q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
+                dummy if dht is None else dht, dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
+                call.scale, L, S, NP)
+        walk_opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=C, USE_DHT=dht is not None,
+                         STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq)
+        overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
+        _bwd_dh[(tiles, S, heads)](*walk, 0, **walk_opts)
+        if sparse:  # on the side stream: the sparse state-gradient walk, dv and dq / dk / dg (see _Overlap)
+            with overlap:
+                _bwd_dh[(tiles, S * NP, heads)](*walk, S, **walk_opts)
+                _bwd_dv[(NV, plan.launch_sparse.numel(), heads)](
+                    q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables, first,
+                    OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **dv_cfg,
+                )
+                dv_done = torch.cuda.Event() if overlap.side is not None else None
+                if dv_done is not None:
+                    dv_done.record(overlap.side)
+                _bwd_dqkg[(NK, plan.launch_sparse.numel(), heads)](
+                    q_sp, k_sp, g_sp, v, do, hs, dh, *outs, dab, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
+                    first, OUT_BY_TOKEN=by_token, GATE_GRADS=True, SPARSE=True, **dq_cfg,
+                )
+            if dv_done is not None:  # the shared dv adds into the sparse one
+                overlap.main.wait_event(dv_done)
+        _bwd_dv[(NV, plan.launch_shared.numel(), heads)](
+            q_sh, k_sh, g_sh, do, dh, dv, dummy, dummy, dummy, dummy, plan.launch_shared, *tables, first,
+            OUT_BY_TOKEN=True, ACCUM=by_token, SPARSE=False, **dv_cfg,
+        )
+        _bwd_dqkg[(NK, plan.launch_shared.numel(), heads)](
+            q_sh, k_sh, g_sh, v, do, hs, dh, *grads, dummy, dummy, dummy, dummy, dummy, plan.launch_shared, *tables,
+            first, OUT_BY_TOKEN=True, GATE_GRADS=False, SPARSE=False, **dq_cfg,
+        )
+        if sparse:
+            overlap.join()  # before this group's states and their gradients are freed
     if sparse:
-        overlap.join()
         if not by_token:
             dv = (dv.float() + dv_out[call.position].sum(1)).to(v.dtype)
             outs = [x[call.position].sum(1).to(ref.dtype) for x, ref in zip(outs, (q_sp, k_sp, g_sp))]
@@ -648,13 +691,17 @@ class _ChunkFunction(torch.autograd.Function):
     def forward(ctx, call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0):
         # under gradient checkpointing the block's recomputation takes these from its forward (see
         # sse_model/ops/checkpointing.py) rather than running the kernels again
-        o, ht, h = kept_outputs(lambda: _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0),
-                                large=True)
+        def forward_states():
+            o, ht, h = _forward(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
+            return o, ht, (h if call.head_groups == 1 else None)
+
+        o, ht, h = kept_outputs(forward_states, large=True)
         ctx.call = call
         # the chunk states are kept rather than recomputed by the backward (one state pass less per step:
         # ~9% of an SSE layer's kernel time); they are [chunks, H, K, V], about K / C times the size of k;
         # under checkpointing only the block being rebuilt holds them, unless the forward's are kept too
-        # (checkpointing_keeps_linear_attention)
+        # (checkpointing_keeps_linear_attention). With head groups the backward makes them again instead, a
+        # group at a time (less memory at the backward's peak, docs/paper_scale.md)
         ctx.save_for_backward(q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0, h)
         return o, ht
 
@@ -754,8 +801,10 @@ def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: R
         raise ValueError(f"SSE state must be {[S, 1 + N, H, K, V]}, got {list(initial_state.shape)}")
     plan = kept_outputs(lambda: _SSEPlan.build(routing, cu, chunk_size))  # once per checkpointed step
     rw, ww, wm = plan.weights(routing, opts)
+    if H % opts.backward_head_groups:
+        raise ValueError(f"backward_head_groups ({opts.backward_head_groups}) must divide the {H} heads")
     call = _Call(plan.chunks, plan.tok, plan.pairs.position, K**-0.5 if opts.scale is None else opts.scale,
-                 output_final_state, safe)
+                 output_final_state, safe, opts.backward_head_groups)
     q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
     # the fused launches select the shared or sparse tensor per segment: one dtype per role
     q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L)

@@ -75,6 +75,12 @@ class SSEConfig(PretrainedConfig):
     ``2 * head_dim / 64`` times the size of the layer's keys for GLA (twice that for SSE's rows): +6.4 GiB
     for the 24-layer benchmark model at 8 x 4k tokens. Off by default: it pays only where the GPU, not the
     host, bounds the step (``docs/benchmarks.md``). The chunk plans (small) are kept either way.
+
+    ``sse_backward_head_groups``: above 1, the SSE chunk kernels' backward makes the chunk states again, this
+    many groups of heads one after another, instead of keeping the forward's: neither the states (about
+    ``head_dim / 16`` units of the layer's keys) between the forward and the backward nor all heads' states and
+    their gradients at once inside it, for one more state pass a step (``docs/paper_scale.md``). It must divide
+    ``num_heads``.
     """
 
     model_type = "sse_hybrid"
@@ -121,6 +127,7 @@ class SSEConfig(PretrainedConfig):
         sse_implementation: str = "auto",
         aux_loss_coef: float = 0.01,
         checkpointing_keeps_linear_attention: bool = False,
+        sse_backward_head_groups: int = 1,
         # softmax attention
         num_attention_heads: int = 16,
         num_key_value_heads: int | None = None,
@@ -177,6 +184,7 @@ class SSEConfig(PretrainedConfig):
         self.sse_implementation = sse_implementation
         self.aux_loss_coef = aux_loss_coef
         self.checkpointing_keeps_linear_attention = checkpointing_keeps_linear_attention
+        self.sse_backward_head_groups = sse_backward_head_groups
 
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads

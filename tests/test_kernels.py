@@ -191,6 +191,41 @@ def test_sse_chunk_kernels_match_reference(case):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("Kw,Kr,lengths,groups", [(1, 1, [5, 35, 1, 49], 4), (2, 2, [37, 33], 2)])  # K = 1: by token
+def test_sse_chunk_backward_by_head_groups_keeps_no_states_and_the_same_gradients(Kw, Kr, lengths, groups):
+    """``backward_head_groups``: the backward makes the chunk states again a group of heads at a time instead of
+    keeping the forward's (less memory at its peak): nothing of the states' shape is saved for it, and every
+    gradient is the one of the backward that keeps them, at each group count that divides the heads."""
+    from kernels.sse_chunk import sse_chunk_triton
+
+    N, H, K, V = 4, 4, 16, 32
+    T, chunk = sum(lengths), 16
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]).to(DEVICE)
+    sides = [branch(T, H, K, "gla", torch.float32) for _ in range(2)]
+    base = [sides[0].q[None], sides[0].k[None], sides[0].g[None], sides[1].q[None], sides[1].k[None],
+            sides[1].g[None], torch.randn(1, T, H, V), torch.randn(1, T, N), torch.randn(len(lengths), 1 + N, H, K, V)]
+    results = {}
+    for groups in (1, groups):
+        leaves = [x.to(DEVICE).requires_grad_() for x in base]
+        r = route(leaves[7], Kw, Kr)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+            fn = lambda: sse_chunk_triton(Branch(*leaves[:3]), Branch(*leaves[3:6]), leaves[6], r,  # noqa: E731
+                                          SSEOptions(backward_head_groups=groups), initial_state=leaves[8],
+                                          output_final_state=True, cu_seqlens=cu, chunk_size=chunk)
+            results[groups] = _sse_grads(fn, leaves[:8], leaves[8])
+        states = [s for s in saved if len(s) == 4 and s[1:] == (H, K, V)]  # the initial states, and h if kept
+        assert len(states) == (2 if groups == 1 else 1), (groups, states)
+    names = ["output", "final state", "q shared", "k shared", "g shared", "q sparse", "k sparse", "g sparse", "v",
+             "router logits", "initial state"]
+    (o, s, g), (o1, s1, g1) = results[groups], results[1]
+    for name, a, b in zip(names, (o, s, *g), (o1, s1, *g1)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} at {groups} head groups")
+    with pytest.raises(ValueError, match="backward_head_groups \\(3\\) must divide the 4 heads"):
+        sse_chunk_triton(Branch(*base[:3]), Branch(*base[3:6]), base[6], route(base[7], Kw, Kr),
+                         SSEOptions(backward_head_groups=3), cu_seqlens=cu.cpu(), chunk_size=chunk)
+
+
 @pytest.mark.parametrize("K,V", [(16, 32), (80, 32), (144, 32), (64, 64)])  # 64: SmolLM2's and Qwen2.5-0.5B's heads
 def test_gla_chunk_kernel_matches_reference(K, V):
     """Outputs, final states and gradients against float64; a forward without gradients gives the same
@@ -596,6 +631,38 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
     assert len(calls) == (2 if keep else 4) and len(plans) == 2
     for a, b in zip(checkpointed, plain):
         assert_close(a, b, torch.float32, "gradient under checkpointing")
+
+
+def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradients(monkeypatch):
+    """``SSEConfig.sse_backward_head_groups`` under checkpointing that keeps the chunk forward: the backward makes
+    the states again, a group of heads at a time (two groups a layer call), and the model's gradients are those
+    of the backward that keeps them; a count that does not divide the heads is refused naming the setting."""
+    from kernels import sse_chunk
+    from kernels.backend import linear_op
+    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_BACKENDS", [])
+    dispatch.register_backend(dispatch.Backend(
+        "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
+    rebuilt = []
+    states = sse_chunk._states
+    monkeypatch.setattr(sse_chunk, "_states", lambda *a: rebuilt.append(a[-2:]) or states(*a))
+    settings = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, mixer_types=["sse"], num_heads=2,
+                    head_dim=16, num_attention_heads=2, intermediate_size=64, checkpointing_keeps_linear_attention=True)
+    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for groups in (1, 2):
+        torch.manual_seed(0)
+        model = SSEForCausalLM(SSEConfig(**settings, sse_backward_head_groups=groups)).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert rebuilt == [(0, 1), (1, 1)], "one state pass per group of one head, in the second model only"
+    for a, b in zip(*grads):
+        assert_close(a, b, torch.float32, "gradient with the states made again by head groups")
+    with pytest.raises(ValueError, match="sse_backward_head_groups \\(3\\) must divide num_heads \\(2\\)"):
+        SSEForCausalLM(SSEConfig(**settings, sse_backward_head_groups=3))
 
 
 def test_count_ops_takes_the_kernel_path_and_restores_it():

@@ -61,7 +61,8 @@ def timed_passes(model, completions: int, length: int, prompt: int, micro_batch:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["sse-h-2b", "transformer-2b"])
+    parser.add_argument("--models", nargs="+", default=["sse-h-2b", "transformer-2b"],
+                        help="presets, each optionally with config settings: sse-h-2b:sse_backward_head_groups=3")
     parser.add_argument("--shapes", nargs="+", default=["64x8192", "16x32768"], help="COMPLETIONSxLENGTH")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=2, help="rows per packed forward (paper-2b: 2)")
@@ -70,6 +71,8 @@ def main(argv=None) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from sse_model import SSEConfig, SSEForCausalLM
+
+    from .train_at_length import model_spec
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -81,7 +84,8 @@ def main(argv=None) -> None:
     for name in args.models:
         torch.manual_seed(0)
         longest = max(length for _, length in shapes) + args.prompt
-        config = SSEConfig.from_preset(name, max_position_embeddings=max(longest, 4096))
+        preset, settings = model_spec(name)
+        config = SSEConfig.from_preset(preset, **settings, max_position_embeddings=max(longest, 4096))
         model = SSEForCausalLM(config).to(device).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as TRL's GRPOTrainer patches its policy

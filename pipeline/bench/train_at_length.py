@@ -115,9 +115,22 @@ def measure(model, tokens: int, length: int, accumulation: int, steps: int, devi
                 losses=losses, memory=found)
 
 
+def model_spec(spec: str) -> tuple[str, dict]:
+    """``preset[:key=value,...]`` -> the preset and its config settings (values read as YAML: 4, true, 1e-3)."""
+    import yaml
+
+    preset, _, settings = spec.partition(":")
+    pairs = [item.partition("=") for item in settings.split(",") if item]
+    bad = [key for key, eq, _ in pairs if not eq]
+    if bad:
+        raise SystemExit(f"--models {spec}: {bad[0]!r} is not key=value")
+    return preset, {key: yaml.safe_load(value) for key, _, value in pairs}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["sse-h-2b", "transformer-2b"], help="presets")
+    parser.add_argument("--models", nargs="+", default=["sse-h-2b", "transformer-2b"],
+                        help="presets, each optionally with config settings: sse-h-2b:sse_backward_head_groups=3")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per packed row (paper-2b: 32768)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768], help="sequence lengths")
     parser.add_argument("--accumulation", type=int, default=4, help="rows per optimizer step (paper-2b: 16)")
@@ -140,7 +153,8 @@ def main(argv=None) -> None:
         for length in args.lengths:
             for name in args.models:
                 torch.manual_seed(0)
-                config = SSEConfig.from_preset(name, max_position_embeddings=max(args.tokens, 4096))
+                preset, settings = model_spec(name)
+                config = SSEConfig.from_preset(preset, **settings, max_position_embeddings=max(args.tokens, 4096))
                 model = SSEForCausalLM(config).to(device)
                 try:
                     with attention_path(path):

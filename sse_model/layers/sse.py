@@ -99,7 +99,10 @@ class SSEAttention(nn.Module):
             read_gate=gating in ("write_read", "read"),
             gate_target=config.gdn_gate_target,
             qk_l2norm=self.transition == "gdn" and config.gdn_gate_target == "key",
+            backward_head_groups=config.sse_backward_head_groups,
         )
+        if H % config.sse_backward_head_groups:
+            raise ValueError(f"sse_backward_head_groups ({config.sse_backward_head_groups}) must divide num_heads ({H})")
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         """What reads the layer's input in one product: q, k, v, the narrow first halves of the low-rank maps, the

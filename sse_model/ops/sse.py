@@ -103,6 +103,9 @@ class SSEOptions:
     gate_target: str = "key"  # GDN only: what the write gate scales, "key" (fla reference) or "value" (SLA)
     qk_l2norm: bool = False  # GDN: L2-normalise q and k after gating, inside the op (fla reference)
     scale: float | None = None
+    # the chunk kernels' backward: > 1 makes the chunk states again a group of heads at a time instead of keeping
+    # the forward's (less memory at the backward's peak, one more state pass); must divide the heads
+    backward_head_groups: int = 1
 
 
 def gate_partition(sparse: Branch, v: torch.Tensor, read_w, write_w, write_mask, opts: SSEOptions):

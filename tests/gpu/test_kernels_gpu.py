@@ -166,6 +166,26 @@ def test_side_stream_equals_one_stream(Kw, Kr):
         assert all(torch.equal(a, b) for a, b in zip(g, want_g))
 
 
+@pytest.mark.parametrize("Kw,Kr", [(1, 1), (2, 2)])
+def test_backward_head_groups_equal_keeping_the_states(Kw, Kr):
+    """``SSEOptions.backward_head_groups`` at the 2B layer shape in bf16 (18 heads in 3 and 6 groups): the states
+    made again a group at a time give bit-identical gradients to the kept ones (each head's work is the same)."""
+    from kernels.sse_chunk import sse_chunk_triton
+
+    cu, leaves = sse_case([16384, 3000, 9000], 4, Kw, Kr, torch.bfloat16)
+    results = {}
+    for groups in (1, 3, 6):
+        xs = [x.detach().requires_grad_() for x in leaves]
+        o, s = sse_chunk_triton(Branch(*xs[:3]), Branch(*xs[3:6]), xs[6], route(xs[7], Kw, Kr),
+                                SSEOptions(backward_head_groups=groups), initial_state=xs[8], output_final_state=True,
+                                cu_seqlens=cu)
+        torch.manual_seed(1)
+        do, ds = torch.randn_like(o, dtype=torch.float32), torch.randn_like(s, dtype=torch.float32)
+        results[groups] = torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), xs)
+    for groups in (3, 6):
+        assert all(torch.equal(a, b) for a, b in zip(results[groups], results[1])), groups
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gla_chunk_kernel(dtype):
     from kernels.sse_chunk import chunk_gla_triton
