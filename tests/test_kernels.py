@@ -635,8 +635,11 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
 
 def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradients(monkeypatch):
     """``SSEConfig.sse_backward_head_groups`` under checkpointing that keeps the chunk forward: the backward makes
-    the states again, a group of heads at a time (two groups a layer call), and the model's gradients are those
-    of the backward that keeps them; a count that does not divide the heads is refused naming the setting."""
+    the states again, a group of heads at a time (two groups a layer call, the first group's freed before the
+    second's are made), and the model's gradients are those of the backward that keeps them; a count that does
+    not divide the heads is refused naming the setting."""
+    import weakref
+
     from kernels import sse_chunk
     from kernels.backend import linear_op
     from sse_model import SSEConfig, SSEForCausalLM
@@ -645,9 +648,17 @@ def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradie
     monkeypatch.setattr(dispatch, "_BACKENDS", [])
     dispatch.register_backend(dispatch.Backend(
         "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
-    rebuilt = []
+    rebuilt, made = [], []
     states = sse_chunk._states
-    monkeypatch.setattr(sse_chunk, "_states", lambda *a: rebuilt.append(a[-2:]) or states(*a))
+
+    def one_group_at_a_time(*args):
+        assert all(ref() is None for ref in made), "the previous group's states are still alive"
+        rebuilt.append(args[-2:])
+        h = states(*args)
+        made.append(weakref.ref(h))
+        return h
+
+    monkeypatch.setattr(sse_chunk, "_states", one_group_at_a_time)
     settings = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, mixer_types=["sse"], num_heads=2,
                     head_dim=16, num_attention_heads=2, intermediate_size=64, checkpointing_keeps_linear_attention=True)
     ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(0))
