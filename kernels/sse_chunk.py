@@ -24,7 +24,7 @@ than that takes an exact elementwise path (slower, never inexact). Decays must b
 
 Kernels (grid axis 2 is the head):
     ``_fwd_h``:    per (segment, K-block x V-block), walks the chunks: stores each chunk's initial state (kept
-                   for the backward);
+                   for the backward, or made again there a group of heads at a time: ``_Call.head_groups``);
     ``_fwd_o``:    per chunk: the output, added into the token's output;
     ``_bwd_dh``:   per segment, walks the chunks backwards: the gradient of each chunk's final state;
     ``_bwd_dv``:   per chunk: dv;
