@@ -545,8 +545,6 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     sparse = call.tok is not None
     dummy = plan.cu_seg
     tok, rw_, ww_, wm_ = (call.tok, rw, ww, wm) if sparse else (dummy,) * 4
-    seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
-    tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
     h = torch.empty(plan.max_chunks, H, K, V, device=v.device, dtype=v.dtype)
     ht = torch.empty(S * (1 + NP), H, K, V, device=v.device, dtype=torch.float32) if call.output_final_state else None
     o = torch.empty(L, H, V, device=v.device, dtype=v.dtype)
@@ -554,19 +552,16 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     NV = triton.cdiv(V, cfg["BV"])
     common = dict(H=H, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe, **cfg)
     tables = (plan.chunk_seg, plan.chunk_start, plan.cu_seg, call.scale, L)
-    walk = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
-            dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off, L, S, NP)
-    walk_opts = dict(H=H, HS=H, H0=0, K=K, V=V, C=C, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT,
-                     IEEE=IEEE, **seq)
+    walk = _state_pass(call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h, h0, ht)
     # the shared outputs are added to the sparse ones where each token has exactly one pair (K = 1)
     by_token = sparse and call.position.shape[1] == 1
     if sparse:
         out = o if by_token else torch.empty(call.tok.numel(), H, V, device=v.device, dtype=torch.float32)
     overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
-    _fwd_h[(tiles, S, H)](*walk, 0, **walk_opts)
+    walk(sparse_segments=False)
     if sparse:
         with overlap:
-            _fwd_h[(tiles, S * NP, H)](*walk, S, **walk_opts)
+            walk(sparse_segments=True)
             _fwd_o[(NV, plan.launch_sparse.numel(), H)](
                 q_sp, k_sp, g_sp, v, h, out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables,
                 OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **common,
@@ -581,12 +576,13 @@ def _forward(call: _Call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, ww, wm, h0)
     return o, ht, h
 
 
-def _states(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h0, first: int, heads: int) -> torch.Tensor:
-    """Every chunk's initial state for heads ``first .. first + heads`` (``[chunks, heads, K, V]``): the forward's
-    state pass again, for a backward that does not keep the forward's states (``_Call.head_groups``)."""
+def _state_pass(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h, h0, ht, first: int = 0):
+    """The state pass for heads ``first .. first + h.shape[1]``: each chunk's initial state into ``h`` (and, with
+    ``ht``, each segment's final one). Returns ``walk(sparse_segments)``, the launch over the shared or the sparse
+    segments, so that the forward can put the sparse one on its side stream."""
     plan = call.plan
     L, H, K = k_sh.shape
-    V = v.shape[-1]
+    V, heads = v.shape[-1], h.shape[1]
     S, NP = plan.num_seqs, plan.num_sparse_partitions
     DT, IEEE = _dot_type(v)
     sparse = call.tok is not None
@@ -594,14 +590,26 @@ def _states(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h0, first: int, head
     tok, ww_, wm_ = (call.tok, ww, wm) if sparse else (dummy,) * 3
     seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
     tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
-    h = torch.empty(plan.max_chunks, heads, K, V, device=v.device, dtype=v.dtype)
-    walk = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
-            dummy if h0 is None else h0, dummy, plan.cu_seg, plan.chunk_off, L, S, NP)
-    opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=plan.chunk, USE_H0=h0 is not None, STORE_HT=False, DT=DT,
-                IEEE=IEEE, **seq)
-    _fwd_h[(tiles, S, heads)](*walk, 0, **opts)
-    if sparse:
-        _fwd_h[(tiles, S * NP, heads)](*walk, S, **opts)
+    args = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
+            dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off, L, S, NP)
+    opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=plan.chunk, USE_H0=h0 is not None, STORE_HT=ht is not None,
+                DT=DT, IEEE=IEEE, **seq)
+
+    def walk(sparse_segments: bool) -> None:
+        _fwd_h[(tiles, S * NP if sparse_segments else S, heads)](*args, S if sparse_segments else 0, **opts)
+
+    return walk
+
+
+def _states(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h0, first: int, heads: int) -> torch.Tensor:
+    """Every chunk's initial state for heads ``first .. first + heads`` (``[chunks, heads, K, V]``): the forward's
+    state pass again, for a backward that does not keep the forward's states (``_Call.head_groups``)."""
+    K, V = k_sh.shape[-1], v.shape[-1]
+    h = torch.empty(call.plan.max_chunks, heads, K, V, device=v.device, dtype=v.dtype)
+    walk = _state_pass(call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h, h0, None, first)
+    walk(sparse_segments=False)
+    if call.tok is not None:
+        walk(sparse_segments=True)
     return h
 
 
