@@ -54,6 +54,17 @@ def test_a_bench_step_is_the_trainers_loss_and_moves_the_weights():
     assert result["tokens_per_s"] > 0 and result["first_s"] > 0
 
 
+def test_a_benchmarked_model_is_a_preset_with_typed_settings():
+    """``--models sse-h-2b:sse_backward_head_groups=3,...``: the preset, and its settings read as YAML values."""
+    from pipeline.bench import model_spec
+
+    assert model_spec("sse-h-2b") == ("sse-h-2b", {})
+    assert model_spec("sse-h-2b:sse_backward_head_groups=3,checkpointing_keeps_linear_attention=true") == (
+        "sse-h-2b", {"sse_backward_head_groups": 3, "checkpointing_keeps_linear_attention": True})
+    with pytest.raises(SystemExit, match="'groups' is not key=value"):
+        model_spec("sse-h-2b:groups")
+
+
 def test_a_benchmarked_model_is_freed_before_the_next_is_built():
     """A model patched as the trainer patches it lives on after ``del`` (reference cycles): on the GPU the next row's
     peak memory held its weights. ``release`` frees it."""

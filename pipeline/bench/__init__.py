@@ -14,3 +14,15 @@ def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def model_spec(spec: str) -> tuple[str, dict]:
+    """``preset[:key=value,...]`` -> the preset and its config settings (values read as YAML: 4, true, 1e-3)."""
+    import yaml
+
+    preset, _, settings = spec.partition(":")
+    pairs = [item.partition("=") for item in settings.split(",") if item]
+    bad = [key for key, eq, _ in pairs if not eq]
+    if bad:
+        raise SystemExit(f"--models {spec}: {bad[0]!r} is not key=value")
+    return preset, {key: yaml.safe_load(value) for key, _, value in pairs}

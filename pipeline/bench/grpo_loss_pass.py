@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from . import release
+from . import model_spec, release
 
 
 def timed_passes(model, completions: int, length: int, prompt: int, micro_batch: int, device: torch.device) -> dict:
@@ -71,8 +71,6 @@ def main(argv=None) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from sse_model import SSEConfig, SSEForCausalLM
-
-    from .train_at_length import model_spec
 
     device = torch.device(args.device)
     if device.type == "cuda":

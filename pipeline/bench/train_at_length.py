@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from . import release
+from . import model_spec, release
 
 
 def packed_rows(tokens: int, length: int, rows: int, vocab: int, device) -> list[dict]:
@@ -113,18 +113,6 @@ def measure(model, tokens: int, length: int, accumulation: int, steps: int, devi
         found = traced_peak(trace.snapshot, trace.start_bytes)
     return dict(tokens_per_s=tokens * accumulation / median, step_s=median, first_s=times[0], peak_gib=peak,
                 losses=losses, memory=found)
-
-
-def model_spec(spec: str) -> tuple[str, dict]:
-    """``preset[:key=value,...]`` -> the preset and its config settings (values read as YAML: 4, true, 1e-3)."""
-    import yaml
-
-    preset, _, settings = spec.partition(":")
-    pairs = [item.partition("=") for item in settings.split(",") if item]
-    bad = [key for key, eq, _ in pairs if not eq]
-    if bad:
-        raise SystemExit(f"--models {spec}: {bad[0]!r} is not key=value")
-    return preset, {key: yaml.safe_load(value) for key, _, value in pairs}
 
 
 def main(argv=None) -> None:
