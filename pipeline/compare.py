@@ -128,6 +128,7 @@ def markdown(runs: list[Run]) -> str:
     pairs += [(f"{run.label}: {other.label}, {start.stage} -> {e.stage}", start, e) for run in runs
               for e in run.evaluations if e.stage in run.starts for other in runs if other is not run
               for start in other.evaluations if start.model and start.model == run.starts[e.stage]]
+    tables = 0
     for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
         changes = []
         for name, before, after in pairs:
@@ -138,7 +139,8 @@ def markdown(runs: list[Run]) -> str:
         if changes:
             lines += [f"| {title} | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
                       "|---|" + "---|" * len(benchmarks), *changes, ""]
-    if any(line.startswith("| change") for line in lines):
+            tables += 1
+    if tables:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, and "
                   "a run started from another run's model against that model, on the same problems: the mean change "
                   "of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
