@@ -685,7 +685,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         )
         if sparse:
             overlap.join()  # before this group's states and their gradients are freed
-        del hs, dh  # now, before the next group's are made: one group's alive at a time
+        del hs, dh, walk  # now (``walk`` holds ``dh`` too), before the next group's are made: one group's alive
     if sparse:
         if not by_token:
             dv = (dv.float() + dv_out[call.position].sum(1)).to(v.dtype)

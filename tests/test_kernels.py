@@ -649,16 +649,25 @@ def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradie
     dispatch.register_backend(dispatch.Backend(
         "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
     rebuilt, made = [], []
-    states = sse_chunk._states
+    states, walk_dh = sse_chunk._states, sse_chunk._bwd_dh
+    dh_at = walk_dh.arg_names.index("dh")
 
     def one_group_at_a_time(*args):
-        assert all(ref() is None for ref in made), "the previous group's states are still alive"
+        assert all(ref() is None for ref in made), "the previous group's states or state gradients are still alive"
         rebuilt.append(args[-2:])
         h = states(*args)
         made.append(weakref.ref(h))
         return h
 
+    class RecordingStateGradients:  # the state-gradient walk's launches, recording the buffer they fill
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                made.append(weakref.ref(args[dh_at]))
+                return walk_dh[grid](*args, **kwargs)
+            return launch
+
     monkeypatch.setattr(sse_chunk, "_states", one_group_at_a_time)
+    monkeypatch.setattr(sse_chunk, "_bwd_dh", RecordingStateGradients())
     settings = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, mixer_types=["sse"], num_heads=2,
                     head_dim=16, num_attention_heads=2, intermediate_size=64, checkpointing_keeps_linear_attention=True)
     ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(0))
