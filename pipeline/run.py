@@ -193,13 +193,30 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
     return _hand_on(recipe, "grpo", final)
 
 
-def _generate_task(recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> str:
-    """Generations of one model; returns the node that holds them, where they are scored."""
-    from .stages.evaluate import generate_all
+class _Generator:
+    """The eval stage's generation, one model after another in one process: a Ray task a model (a GPU task's
+    worker exits after one call) paid the process, imports, CUDA context and kernels' first launches again for
+    every model, ~20 s each on an H200. Each model's memory is given back before the next is loaded."""
 
-    _task_setup()
-    generate_all(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
-    return ray.get_runtime_context().get_node_id()
+    def __init__(self):
+        _task_setup()
+        self.served = 0
+
+    def generate(self, recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> tuple[str, int]:
+        """Generations of one model; returns the node that holds them (where they are scored) and how many models
+        this process has generated for, this one included."""
+        import gc
+
+        import torch
+
+        from .stages.evaluate import generate_all
+
+        generate_all(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
+        gc.collect()  # the engine's cycles (its CUDA graphs and state pools) before the cache is emptied
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.served += 1
+        return ray.get_runtime_context().get_node_id(), self.served
 
 
 def _score_task(recipe: Recipe, out_dir: str) -> dict:
@@ -355,18 +372,28 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 if group is not None:
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
-            generate = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_generate_task)
+            generator = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_Generator)
+            one_model_each = recipe.eval.backend == "engine" and recipe.eval.engine.backend == "vllm"  # one engine a process
             score = ray.remote(num_cpus=1)(_score_task)
-            scoring = []  # each model is scored (CPU) while the GPU generates for the next
-            for name in recipe.eval.models:
-                model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
-                model_dir = str(stage_dir if name == "last" else stage_dir / name)
-                began = time.time()
-                node = ray.get(generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")), where["eval_gpus"]))
-                logger.info("eval: %s: generations in %.0f s (the task's start, loading and engine included)", name,
-                            time.time() - began)
-                on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
-                scoring.append(score.options(scheduling_strategy=on_node).remote(recipe, model_dir))
+            scoring, worker = [], None  # each model is scored (CPU) while the GPU generates for the next
+            try:
+                for name in recipe.eval.models:
+                    model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
+                    model_dir = str(stage_dir if name == "last" else stage_dir / name)
+                    began = time.time()
+                    if worker is None or one_model_each:
+                        if worker is not None:
+                            ray.kill(worker)
+                        worker = generator.remote()
+                    node, served = ray.get(worker.generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")),
+                                                                  where["eval_gpus"]))
+                    logger.info("eval: %s: generations in %.0f s (loading and engine included; the worker's model %d)",
+                                name, time.time() - began, served)
+                    on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
+                    scoring.append(score.options(scheduling_strategy=on_node).remote(recipe, model_dir))
+            finally:
+                if worker is not None:
+                    ray.kill(worker)
             ray.get(scoring)
         timings[stage] = time.time() - stage_start
     report = write_report(recipe, out, timings, time.time() - started)

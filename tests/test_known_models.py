@@ -186,10 +186,12 @@ def test_an_unpacked_gguf_keeps_the_files_special_tokens_whatever_the_loader_rea
     assert tokenizer.eos_token_id == 2
 
 
-def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path):
+def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path, caplog):
     """The converted model's path: align (checkpointed, per-layer losses logged and plotted), distillation with the
-    teacher's logits, GRPO; re-running finds every stage done."""
+    teacher's logits, GRPO, the evaluation of three of its models by one generation worker; re-running finds every
+    stage done."""
     import json
+    import logging
 
     from pipeline.recipe import load_recipe
     from pipeline.run import run_recipe
@@ -204,7 +206,11 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
         "grpo.steps=2", "grpo.prompts_per_batch=2", "grpo.num_generations=4", "grpo.max_completion_length=16",
         "grpo.dynamic_sampling=false", "eval.benchmarks=[gsm8k]", "eval.limit=2", "eval.repeats=1",
         "eval.max_new_tokens=8", "eval.models=[last,initial,align]"])
-    run_recipe(recipe, ("align", "distill", "grpo", "eval"))
+    with caplog.at_level(logging.INFO, logger="pipeline.run"):
+        run_recipe(recipe, ("align", "distill", "grpo", "eval"))
+    served = [line for line in caplog.messages if "generations in" in line]
+    assert [line.split()[1] for line in served] == ["last:", "initial:", "align:"], served
+    assert served[-1].endswith("the worker's model 3)"), "each model paid a process of its own"
     assert (run / "grpo" / "final" / "config.json").exists()
     aligned = json.loads((run / "align" / "final" / "stage_done.json").read_text())
     assert aligned["global_step"] == 4 and aligned["tokens"] == 4 * 2 * 256
