@@ -60,13 +60,14 @@ def register() -> None:
     from .fused import rms_norm_triton, silu_mul_triton, sse_decode_features_triton, sse_low_rank_features_triton
     from .routing import route_triton
     from .skinny import skinny_linear_op
-    from .sse_chunk import sse_chunk_triton
+    from .sse_chunk import sse_chunk_triton, sse_low_rank_chunk_triton
 
     register_backend(Backend(
         name="triton",
         supports=_supports,
         linear_op=linear_op,
         sse=sse_chunk_triton,
+        sse_low_rank=sse_low_rank_chunk_triton,
         sse_decode=sse_decode_triton,
         linear_decode=linear_decode_triton,
         route=route_triton,

@@ -341,10 +341,7 @@ class _LowRankFeatures(torch.autograd.Function):
     def forward(ctx, q, k, lq, lk, lg0, lg1, wq, wk, wg0, wg1, bq, bk, bg0, bg1, lora_shared, qact, kact, normalizer):
         ctx.options = (lora_shared, qact, kact, normalizer)
         low = (lq, lk, lg0, lg1)
-        # the weights in the inputs' dtype once (autocast's cast), kept for the backward's two products
-        weights, biases = ([None if t is None else t.to(lq.dtype) for t in ts] for ts in ((wq, wk, wg0, wg1),
-                                                                                         (bq, bk, bg0, bg1)))
-        ctx.dtypes = [None if t is None else t.dtype for t in (wq, wk, wg0, wg1, bq, bk, bg0, bg1)]
+        weights, biases, ctx.dtypes = _maps_in(lq.dtype, (wq, wk, wg0, wg1), (bq, bk, bg0, bg1))
         ups = _low_rank_products(q.shape[-2:], low, weights, biases)
         outs, _, ctx.strides = _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], ctx.options)
         ctx.save_for_backward(q, k, *low, *weights, *biases)
@@ -358,14 +355,29 @@ class _LowRankFeatures(torch.autograd.Function):
         ins = [_token_rows(q)[0], ups[0], _token_rows(k)[0], ups[1], ups[2], ups[3]]
         dq, dq_lora, dk, dk_lora, dg0, dg1 = _features_backward(ins, ctx.strides, ctx.options, *douts)
         del ins, ups
-        wanted = ctx.needs_input_grad  # frozen maps (alignment of new parts only) skip their weights' products
-        dlow, dweights, dbiases = [], [], []
-        for i, (x, w, b, dy) in enumerate(zip(low, weights, biases, (dq_lora, dk_lora, dg0, dg1))):
-            dy = dy.reshape(-1, dy.shape[-2] * dy.shape[-1])
-            dlow.append((dy @ w).view(x.shape) if wanted[2 + i] else None)
-            dweights.append((dy.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[i]) if wanted[6 + i] else None)
-            dbiases.append(dy.sum(0, dtype=ctx.dtypes[4 + i]) if b is not None and wanted[10 + i] else None)
-        return (dq, dk, *dlow, *dweights, *dbiases, None, None, None, None)
+        grads = _low_rank_backward(low, weights, biases, (dq_lora, dk_lora, dg0, dg1), ctx.needs_input_grad[2:14],
+                                   ctx.dtypes)
+        return (dq, dk, *grads, None, None, None, None)
+
+
+def _maps_in(dtype, weights, biases):
+    """The low-rank maps' weights and biases in the inputs' dtype once (autocast's cast), kept for the backward's
+    two products, and their own dtypes (the gradients')."""
+    cast = ([None if t is None else t.to(dtype) for t in ts] for ts in (weights, biases))
+    return *cast, [None if t is None else t.dtype for t in (*weights, *biases)]
+
+
+def _low_rank_backward(low, weights, biases, d_ups, wanted, dtypes) -> list[torch.Tensor | None]:
+    """The gradients of the rank-r inputs, the weights and the biases (in that order, four each) from those of
+    the four full-width products ``d_ups``; ``wanted``: which of the twelve to make (frozen maps, e.g. alignment
+    of the new parts only, skip their weights' products)."""
+    dlow, dweights, dbiases = [], [], []
+    for i, (x, w, b, dy) in enumerate(zip(low, weights, biases, d_ups)):
+        dy = dy.reshape(-1, dy.shape[-2] * dy.shape[-1])
+        dlow.append((dy @ w).view(x.shape) if wanted[i] else None)
+        dweights.append((dy.t() @ x.reshape(-1, x.shape[-1])).to(dtypes[i]) if wanted[4 + i] else None)
+        dbiases.append(dy.sum(0, dtype=dtypes[4 + i]) if b is not None and wanted[8 + i] else None)
+    return [*dlow, *dweights, *dbiases]
 
 
 def _low_rank_products(head_shape, low, weights, biases) -> list[torch.Tensor]:
@@ -388,17 +400,25 @@ def sse_features_triton(q, q_lora, k, k_lora, gk_shared, gk_sparse, *, lora_side
                            ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)
 
 
+def low_rank_features_decline(q, k, low, weights) -> bool:
+    """Whether the low-rank feature map's kernel cannot take these inputs: float64, inputs of several dtypes,
+    shapes that differ, a head size above one row of the kernel (said once)."""
+    if q.dtype == torch.float64 or q.shape != k.shape or len({x.dtype for x in (q, k, *low)}) != 1:
+        return True
+    if any(w.shape[0] != q.shape[-2] * q.shape[-1] for w in weights):
+        return True
+    if q.shape[-1] > MAX_ROW:
+        note_declined("fused sse_low_rank_features", f"head size {q.shape[-1]} > {MAX_ROW}")
+        return True
+    return False
+
+
 def sse_low_rank_features_triton(q, k, low, up, *, lora_side: str, q_activation: str, k_activation: str,
                                  normalizer: float):
     """Drop-in for :func:`sse_model.ops.fused.sse_low_rank_features` (:class:`_LowRankFeatures`); None
     declines (float64, inputs of several dtypes, shapes that differ)."""
     (wq, bq), (wk, bk), (wg0, bg0), (wg1, bg1) = up
-    if q.dtype == torch.float64 or q.shape != k.shape or len({x.dtype for x in (q, k, *low)}) != 1:
-        return None
-    if any(w.shape[0] != q.shape[-2] * q.shape[-1] for w in (wq, wk, wg0, wg1)):
-        return None
-    if q.shape[-1] > MAX_ROW:
-        note_declined("fused sse_low_rank_features", f"head size {q.shape[-1]} > {MAX_ROW}")
+    if low_rank_features_decline(q, k, low, (wq, wk, wg0, wg1)):
         return None
     return _LowRankFeatures.apply(q, k, *low, wq, wk, wg0, wg1, bq, bk, bg0, bg1, lora_side == "shared",
                                   ACTIVATIONS.index(q_activation), ACTIVATIONS.index(k_activation), normalizer)

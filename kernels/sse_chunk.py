@@ -40,14 +40,17 @@ hold these to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.fused import (_features_backward, _features_forward, _low_rank_backward, _low_rank_products, _maps_in,
+                           low_rank_features_decline)
 from kernels.plan import CHUNK, ChunkPlan, build_plans
 from sse_model.ops.checkpointing import kept_outputs
+from sse_model.ops.fused import ACTIVATIONS
 from sse_model.ops.sse import Branch, Routing, SSEOptions, VarlenPlan
 from sse_model.ops.varlen import check_cu_seqlens, dense_cu_seqlens
 
@@ -723,6 +726,72 @@ class _ChunkFunction(torch.autograd.Function):
                 None if h0 is None else dh0.to(h0.dtype))
 
 
+class _LowRankChunkFunction(torch.autograd.Function):
+    """The low-rank feature map (``kernels/fused.py::_LowRankFeatures``) and the chunk walk in one function, for a
+    backward by head groups: it keeps the feature map's inputs (the q / k projections and the rank-r inputs, which
+    the map keeps anyway) instead of the six feature-mapped tensors, and its backward makes each group's features,
+    then its states, again and frees them before the next group's. At the sse-h-2b layer the six are 0.84 GiB at
+    the block's start under checkpointing (docs/paper_scale.md). Each group runs as an SSE call of its own heads:
+    heads do not mix in SSE, and the routing is per token."""
+
+    @staticmethod
+    def forward(ctx, call, options, q, k, lq, lk, lg0, lg1, wq, wk, wg0, wg1, bq, bk, bg0, bg1, v, rw, ww, wm, h0):
+        low = (lq, lk, lg0, lg1)
+        weights, biases, ctx.dtypes = _maps_in(lq.dtype, (wq, wk, wg0, wg1), (bq, bk, bg0, bg1))
+
+        def forward_states():  # under checkpointing the block's recomputation takes these from its forward
+            features = _features(q, k, low, weights, biases, options)[0]
+            o, ht, _ = _forward(call, *features, v, rw, ww, wm, h0)
+            return o, ht, None
+
+        o, ht, _ = kept_outputs(forward_states, large=True)
+        ctx.call, ctx.options = call, options
+        ctx.save_for_backward(q, k, *low, *weights, *biases, v, rw, ww, wm, h0)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, *rest = ctx.saved_tensors
+        low, weights, biases, (v, rw, ww, wm, h0) = rest[:4], rest[4:8], rest[8:12], rest[12:]
+        L, H, K = q.shape
+        n = H // ctx.call.head_groups
+        one_group = replace(ctx.call, head_groups=1)  # each group an SSE call of its own, its states made again
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        d_ups = [torch.empty(L, H, K, device=q.device, dtype=low[0].dtype) for _ in range(4)]
+        dh0 = None if h0 is None else torch.empty(h0.shape, device=h0.device, dtype=torch.float32)
+        drw = dww = None
+        for first in range(0, H, n):
+            heads = slice(first, first + n)
+            rows = slice(first * K, (first + n) * K)  # the group's outputs of the low-rank maps
+
+            def part(x):
+                return None if x is None else x[:, heads].contiguous()
+
+            features, ins, strides = _features(part(q), part(k), low, [w[rows] for w in weights],
+                                               [None if b is None else b[rows] for b in biases], ctx.options)
+            *feature_grads, dv_g, drw_g, dww_g, dh0_g = _backward(one_group, part(do), part(dht), *features, part(v),
+                                                                 rw, ww, wm, part(h0), None)
+            del features
+            grads = _features_backward(ins, strides, ctx.options, *feature_grads)
+            del ins, feature_grads
+            for full, g in zip((dq, d_ups[0], dk, d_ups[1], d_ups[2], d_ups[3]), grads):
+                full[:, heads] = g
+            dv[:, heads] = dv_g
+            if dh0 is not None:
+                dh0[:, heads] = dh0_g
+            if drw_g is not None:  # the pairs' weights are shared by the heads: each group adds its part
+                drw, dww = (drw_g, dww_g) if drw is None else (drw + drw_g, dww + dww_g)
+        maps = _low_rank_backward(low, weights, biases, d_ups, ctx.needs_input_grad[4:16], ctx.dtypes)
+        return (None, None, dq, dk, *maps, dv, drw, dww, None, None if h0 is None else dh0.to(h0.dtype))
+
+
+def _features(q, k, low, weights, biases, options):
+    """``kernels/fused.py``'s feature map from the rank-r inputs: the six feature-mapped tensors (shared q, k, g,
+    then sparse), what its backward reads, and the token strides."""
+    ups = _low_rank_products(q.shape[-2:], low, weights, biases)
+    return _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], options)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # entry points (the dispatch point's conventions)
 
@@ -801,23 +870,56 @@ def sse_chunk_triton(shared: Branch, sparse: Branch, v: torch.Tensor, routing: R
     if opts.transition != "gla" or implementation == "mask":
         return None
     B, T, H, K = shared.q.shape
+    call, (rw, ww, wm), h0, finish = _prologue(B, T, H, K, v, routing, opts, initial_state, output_final_state,
+                                               cu_seqlens, chunk_size, safe)
+    L = B * T
+    q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
+    # the fused launches select the shared or sparse tensor per segment: one dtype per role
+    q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L)
+                        for x, ref in zip((sparse.q, sparse.k, sparse.g), (q_sh, k_sh, g_sh)))
+    return finish(*_ChunkFunction.apply(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, _tokens(v, L), rw, ww, wm, h0))
+
+
+def sse_low_rank_chunk_triton(q, k, low, up, v, routing: Routing, opts: SSEOptions, *, feature_options: dict,
+                              implementation: str = "auto", initial_state=None, output_final_state=False,
+                              cu_seqlens=None, chunk_size: int = CHUNK, safe: float = SAFE_LOG2):
+    """:func:`~sse_model.ops.dispatch.sse_low_rank_attention`: the low-rank feature map and SSE in one function
+    (:class:`_LowRankChunkFunction`) where the backward goes by head groups (``opts.backward_head_groups`` > 1) and
+    the feature map's kernel takes the inputs; None declines (the two run one after the other)."""
+    if opts.transition != "gla" or implementation == "mask" or opts.backward_head_groups == 1:
+        return None
+    (wq, bq), (wk, bk), (wg0, bg0), (wg1, bg1) = up
+    if low_rank_features_decline(q, k, low, (wq, wk, wg0, wg1)):
+        return None
+    B, T, H, K = q.shape
+    call, (rw, ww, wm), h0, finish = _prologue(B, T, H, K, v, routing, opts, initial_state, output_final_state,
+                                               cu_seqlens, chunk_size, safe)
+    L = B * T
+    options = (feature_options["lora_side"] == "shared", ACTIVATIONS.index(feature_options["q_activation"]),
+               ACTIVATIONS.index(feature_options["k_activation"]), feature_options["normalizer"])
+    low = [x.reshape(L, x.shape[-1]) for x in low]
+    return finish(*_LowRankChunkFunction.apply(call, options, q.reshape(L, H, K), k.reshape(L, H, K), *low, wq, wk,
+                                               wg0, wg1, bq, bk, bg0, bg1, _tokens(v, L), rw, ww, wm, h0))
+
+
+def _prologue(B, T, H, K, v, routing, opts, initial_state, output_final_state, cu_seqlens, chunk_size, safe):
+    """What both SSE entry points derive before their function: the call (with the routing's plan, kept under
+    checkpointing), the pairs' read / write weights and write mask, the initial states as ``[S * (1 + N), H, K,
+    V]``, and ``finish``, which gives the output and final states the dispatch point's shapes."""
     V = v.shape[-1]
     N = routing.num_sparse_partitions
-    L = B * T
     cu = _sequences(B, T, cu_seqlens, v.device)
     S = cu.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (S, 1 + N, H, K, V):
         raise ValueError(f"SSE state must be {[S, 1 + N, H, K, V]}, got {list(initial_state.shape)}")
     plan = kept_outputs(lambda: _SSEPlan.build(routing, cu, chunk_size))  # once per checkpointed step
-    rw, ww, wm = plan.weights(routing, opts)
     if H % opts.backward_head_groups:
         raise ValueError(f"backward_head_groups ({opts.backward_head_groups}) must divide the {H} heads")
     call = _Call(plan.chunks, plan.tok, plan.pairs.position, K**-0.5 if opts.scale is None else opts.scale,
                  output_final_state, safe, opts.backward_head_groups)
-    q_sh, k_sh, g_sh = (_tokens(x, L) for x in (shared.q, shared.k, shared.g))
-    # the fused launches select the shared or sparse tensor per segment: one dtype per role
-    q_sp, k_sp, g_sp = (_tokens(x.to(ref.dtype), L)
-                        for x, ref in zip((sparse.q, sparse.k, sparse.g), (q_sh, k_sh, g_sh)))
     h0 = None if initial_state is None else initial_state.reshape(S * (1 + N), H, K, V).contiguous()
-    o, ht = _ChunkFunction.apply(call, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, _tokens(v, L), rw, ww, wm, h0)
-    return o.view(B, T, H, V), None if ht is None else ht.view(S, 1 + N, H, K, V)
+
+    def finish(o, ht):
+        return o.view(B, T, H, V), None if ht is None else ht.view(S, 1 + N, H, K, V)
+
+    return call, plan.weights(routing, opts), h0, finish

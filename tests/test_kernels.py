@@ -226,6 +226,52 @@ def test_sse_chunk_backward_by_head_groups_keeps_no_states_and_the_same_gradient
                          SSEOptions(backward_head_groups=3), cu_seqlens=cu.cpu(), chunk_size=chunk)
 
 
+@pytest.mark.parametrize("Kw,Kr,lengths,groups,lora_side", [(1, 1, [5, 35, 1, 49], 3, "sparse"),
+                                                             (2, 2, [37, 33], 3, "shared")])
+def test_sse_from_its_feature_inputs_keeps_no_features_and_the_same_gradients(monkeypatch, Kw, Kr, lengths, groups,
+                                                                              lora_side):
+    """``sse_low_rank_attention`` with the backward by head groups: the feature map and SSE in one function that
+    keeps the map's inputs, not its six outputs, and makes each group's features again in the backward. Outputs,
+    final states and every gradient (the projection's, the low-rank maps' weights and biases, the values', the
+    router's, the initial states') equal those of the two functions one after the other."""
+    from kernels.backend import linear_op
+    from kernels.fused import sse_low_rank_features_triton
+    from kernels.sse_chunk import sse_chunk_triton, sse_low_rank_chunk_triton
+    from sse_model.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_BACKENDS", [])
+    dispatch.register_backend(dispatch.Backend("kernels", lambda x: True, linear_op, sse=sse_chunk_triton,
+                                               sse_low_rank=sse_low_rank_chunk_triton,
+                                               sse_low_rank_features=sse_low_rank_features_triton))
+    N, H, K, V, RQ, RG = 4, 3, 16, 32, 8, 4
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]).to(DEVICE)
+    sizes = [H * K, H * K, RQ, RQ, RG, RG]  # q, k, then the rank-r inputs: column slices of one product
+    base = [torch.randn(1, T, sum(sizes)), torch.randn(1, T, H, V), torch.randn(1, T, N),
+            torch.randn(len(lengths), 1 + N, H, K, V)]
+    maps = [torch.randn(H * K, r) / r**0.5 for r in (RQ, RQ, RG, RG)] + [torch.randn(H * K) for _ in range(2)]
+    features = dict(lora_side=lora_side, q_activation="silu", k_activation="softmax", normalizer=16.0)
+    results, kept = {}, {}
+    for g in (1, groups):  # 1: the backend declines, and the two functions run
+        leaves = [x.to(DEVICE).requires_grad_() for x in base + maps]
+        proj, v, logits, h0, wq, wk, wg0, wg1, bg0, bg1 = leaves
+        q, k, *low = proj.split(sizes, dim=-1)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+            fn = lambda: dispatch.sse_low_rank_attention(  # noqa: E731
+                q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)), low, [(wq, None), (wk, None), (wg0, bg0), (wg1, bg1)],
+                v, route(logits, Kw, Kr), SSEOptions(backward_head_groups=g), feature_options=features,
+                initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=16)
+            results[g] = _sse_grads(fn, [proj, v, logits, wq, wk, wg0, wg1, bg0, bg1], h0)
+        kept[g] = saved.count(T * H * K)  # q and k, and the six features where the chunk function keeps them
+    assert kept == {1: 8, groups: 2}, kept
+    names = ["output", "final state", "projection", "v", "router logits", "lora q weight", "lora k weight",
+             "gate weight", "gate weight", "gate bias", "gate bias", "initial state"]
+    (o, s, grads), (o1, s1, grads1) = results[groups], results[1]
+    for name, a, b in zip(names, (o, s, *grads), (o1, s1, *grads1)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} at {groups} head groups")
+
+
 @pytest.mark.parametrize("K,V", [(16, 32), (80, 32), (144, 32), (64, 64)])  # 64: SmolLM2's and Qwen2.5-0.5B's heads
 def test_gla_chunk_kernel_matches_reference(K, V):
     """Outputs, final states and gradients against float64; a forward without gradients gives the same
@@ -633,21 +679,36 @@ def test_checkpointing_keeps_the_chunk_forward(monkeypatch, keep):
         assert_close(a, b, torch.float32, "gradient under checkpointing")
 
 
-def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradients(monkeypatch):
+@pytest.mark.parametrize("features_too", [False, True])
+def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradients(monkeypatch, features_too):
     """``SSEConfig.sse_backward_head_groups`` under checkpointing that keeps the chunk forward: the backward makes
     the states again, a group of heads at a time (two groups a layer call, the first group's freed before the
     second's are made), and the model's gradients are those of the backward that keeps them; a count that does
-    not divide the heads is refused naming the setting."""
+    not divide the heads is refused naming the setting. ``features_too``: with the feature map's kernel, which
+    SSE then takes in one function (``sse_low_rank_attention``) whose backward makes each group's features again
+    (the forward's not kept, a group's freed before the next's), each group an SSE call of its own heads."""
     import weakref
 
     from kernels import sse_chunk
     from kernels.backend import linear_op
+    from kernels.fused import sse_low_rank_features_triton
     from sse_model import SSEConfig, SSEForCausalLM
     from sse_model.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_BACKENDS", [])
+    fused = dict(sse_low_rank=sse_chunk.sse_low_rank_chunk_triton,
+                 sse_low_rank_features=sse_low_rank_features_triton) if features_too else {}
     dispatch.register_backend(dispatch.Backend(
-        "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton))
+        "chunk-kernels", lambda x: True, linear_op, sse=sse_chunk.sse_chunk_triton, **fused))
+    features_of, made_features = sse_chunk._features, []
+
+    def features_one_group_at_a_time(*args):
+        assert all(ref() is None for ref in made_features), "the forward's or the previous group's features are alive"
+        out = features_of(*args)
+        made_features.extend(weakref.ref(x) for x in out[0])
+        return out
+
+    monkeypatch.setattr(sse_chunk, "_features", features_one_group_at_a_time)
     rebuilt, made = [], []
     states, walk_dh = sse_chunk._states, sse_chunk._bwd_dh
     dh_at = walk_dh.arg_names.index("dh")
@@ -678,7 +739,9 @@ def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradie
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append([p.grad for p in model.parameters()])
-    assert rebuilt == [(0, 1), (1, 1)], "one state pass per group of one head, in the second model only"
+    groups = [(0, 1), (0, 1)] if features_too else [(0, 1), (1, 1)]  # an SSE call of each group's heads, or offsets
+    assert rebuilt == groups, "one state pass per group of one head, in the second model only"
+    assert len(made_features) == (6 * 3 if features_too else 0), "the forward's features, then each group's"
     for a, b in zip(*grads):
         assert_close(a, b, torch.float32, "gradient with the states made again by head groups")
     with pytest.raises(ValueError, match="sse_backward_head_groups \\(3\\) must divide num_heads \\(2\\)"):

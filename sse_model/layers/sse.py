@@ -22,7 +22,8 @@ from ..cache import LinearLayerState
 from ..modules import GatedRMSNorm, Linear, RMSNorm, ShortConvolution, project, row_topk_softmax
 from ..ops.delta_rule import l2norm
 from ..ops.fused import feature_map
-from ..ops.dispatch import route_tokens, sse_attention, sse_decode, sse_decode_features, sse_low_rank_features
+from ..ops.dispatch import (route_tokens, sse_attention, sse_decode, sse_decode_features, sse_low_rank_attention,
+                            sse_low_rank_features)
 from ..ops.sse import Branch, Routing, SSEOptions
 from .common import ForwardContext, zero_padding
 from .linear import gdn_gates, init_gdn_decay, output_projection
@@ -142,6 +143,7 @@ class SSEAttention(nn.Module):
             return t.view(B, T, H, d)
 
         conv_out = None
+        feature_inputs = None  # unpadded tokens: the feature map's inputs, which SSE takes itself
         if self.fused_features:
             options = dict(lora_side=cfg.lora_side, q_activation=cfg.q_activation,
                            k_activation=cfg.key_activation("gla"), normalizer=cfg.gate_logit_normalizer)
@@ -149,10 +151,14 @@ class SSEAttention(nn.Module):
             if pool is not None:  # a decode step: with the value's feature map in the same pass
                 *features, v = sse_decode_features(heads(q, K), heads(k, K), heads(v, V), low, ups,
                                                    v_activation=cfg.v_activation, **options)
-            else:  # the LoRA add, both feature maps, both log-decays; the backward keeps the rank-r inputs
-                features = sse_low_rank_features(heads(q, K), heads(k, K), low, ups, **options)
+            else:
                 v = feature_map(heads(v, V), cfg.v_activation)
-            q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = features
+                if mask is None:  # the feature map in SSE's own call (sse_low_rank_attention)
+                    feature_inputs = (heads(q, K), heads(k, K), low, ups, options)
+                else:  # the LoRA add, both feature maps, both log-decays; the backward keeps the rank-r inputs
+                    features = sse_low_rank_features(heads(q, K), heads(k, K), low, ups, **options)
+            if feature_inputs is None:
+                q_shared, k_shared, g_shared, q_sparse, k_sparse, g_sparse = features
             beta_shared = beta_sparse = None
         else:
             lora_q, lora_k = self.lora_q_proj[1](low[0]), self.lora_k_proj[1](low[1])
@@ -182,8 +188,9 @@ class SSEAttention(nn.Module):
                 (g_shared, g_sparse), (beta_shared, beta_sparse) = g.chunk(2, dim=-1), beta.chunk(2, dim=-1)
                 if cfg.gdn_gate_target == "value":
                     q_shared, k_shared, q_sparse, k_sparse = map(l2norm, (q_shared, k_shared, q_sparse, k_sparse))
-        shared = Branch(q_shared, *(zero_padding(t, mask) for t in (k_shared, g_shared, beta_shared)))
-        sparse = Branch(q_sparse, *(zero_padding(t, mask) for t in (k_sparse, g_sparse, beta_sparse)))
+        if feature_inputs is None:
+            shared = Branch(q_shared, *(zero_padding(t, mask) for t in (k_shared, g_shared, beta_shared)))
+            sparse = Branch(q_sparse, *(zero_padding(t, mask) for t in (k_sparse, g_sparse, beta_sparse)))
         v = zero_padding(v, mask)
 
         routing = route_tokens(router_logits, cfg.num_writers, cfg.num_readers)
@@ -194,15 +201,14 @@ class SSEAttention(nn.Module):
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(None, conv_out))
             # no balance loss: it is a training objective, and a decode step would spend a dozen launches on it
             return output_projection(self, o, gate, residual), None
-        o, recurrent = sse_attention(
-            shared, sparse, v, routing, self.options,
-            implementation=cfg.sse_implementation,
-            mode=cfg.linear_mode,
-            chunk_size=cfg.chunk_size,
-            initial_state=None if state is None else state.recurrent,
-            output_final_state=ctx.use_cache,
-            cu_seqlens=ctx.cu_seqlens,
-        )
+        call = dict(implementation=cfg.sse_implementation, mode=cfg.linear_mode, chunk_size=cfg.chunk_size,
+                    initial_state=None if state is None else state.recurrent, output_final_state=ctx.use_cache,
+                    cu_seqlens=ctx.cu_seqlens)
+        if feature_inputs is not None:
+            *inputs, options = feature_inputs
+            o, recurrent = sse_low_rank_attention(*inputs, v, routing, self.options, feature_options=options, **call)
+        else:
+            o, recurrent = sse_attention(shared, sparse, v, routing, self.options, **call)
         if state is not None:
             ctx.cache.write_linear(self.layer_idx, LinearLayerState(recurrent, conv_out))
         out = output_projection(self, o.to(hidden_states.dtype), gate, residual)

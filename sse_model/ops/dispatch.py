@@ -56,7 +56,8 @@ def torch_linear_op(transition: str, mode: str = "chunk", chunk_size: int = 16) 
 @dataclass
 class Backend:
     """An accelerated implementation. ``linear_op(transition, mode)`` returns an op with the uniform
-    signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline);
+    signature or None; ``sse`` replaces :func:`sse_attention`'s body (returns None to decline), and
+    ``sse_low_rank`` :func:`sse_low_rank_attention`'s;
     ``sse_decode`` and ``linear_decode`` replace the in-place decode steps below; ``route`` the router;
     ``rms_norm``, ``silu_mul``, ``sse_low_rank_features`` and ``sse_decode_features`` the fused stages of
     :mod:`sse_model.ops.fused`; ``linear`` the matrix products of generation (None declines)."""
@@ -65,6 +66,7 @@ class Backend:
     supports: Callable[[torch.Tensor], bool]
     linear_op: Callable[[str, str], Callable | None]
     sse: Callable | None = None
+    sse_low_rank: Callable | None = None
     sse_decode: Callable | None = None
     linear_decode: Callable | None = None
     route: Callable | None = None
@@ -190,6 +192,27 @@ def sse_attention(
     return impl(shared, sparse, v, routing, opts, op, **kw)
 
 
+def sse_low_rank_attention(q, k, low, up, v, routing: Routing, opts: SSEOptions, *, feature_options: dict,
+                           implementation: str = "auto", initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SSE from its feature map's inputs (unpadded tokens): :func:`sse_low_rank_features` (``feature_options``),
+    then :func:`sse_attention` (the other arguments). A backend may take both in one function
+    (``Backend.sse_low_rank``): with ``opts.backward_head_groups`` > 1 the Triton one keeps the feature map's inputs
+    rather than its six outputs for the backward, which makes them again a group of heads at a time
+    (docs/paper_scale.md)."""
+    kw = dict(implementation=implementation, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens)
+    backend = active_backend(v)
+    if backend is not None and backend.sse_low_rank is not None and implementation != "recurrent":
+        out = backend.sse_low_rank(q, k, low, up, v, routing, opts, feature_options=feature_options, **kw)
+        if out is not None:
+            return out
+    q_sh, k_sh, g_sh, q_sp, k_sp, g_sp = sse_low_rank_features(q, k, low, up, **feature_options)
+    return sse_attention(Branch(q_sh, k_sh, g_sh, None), Branch(q_sp, k_sp, g_sp, None), v, routing, opts, **kw,
+                         **kwargs)
+
+
 def route_tokens(router_logits: torch.Tensor, num_writers: int, num_readers: int) -> Routing:
     """Router probabilities and top-k ranking through the dispatch point (see :func:`~sse_model.ops.sse.route`)."""
     backend = active_backend(router_logits)
@@ -300,6 +323,7 @@ __all__ = [
     "sse_attention",
     "sse_decode",
     "sse_decode_features",
+    "sse_low_rank_attention",
     "sse_low_rank_features",
     "torch_linear_op",
 ]

@@ -186,6 +186,44 @@ def test_backward_head_groups_equal_keeping_the_states(Kw, Kr):
         assert all(torch.equal(a, b) for a, b in zip(results[groups], results[1])), groups
 
 
+@pytest.mark.parametrize("Kw,Kr", [(1, 1), (2, 2)])
+def test_sse_from_its_feature_inputs_by_head_groups_equals_the_two_functions(Kw, Kr):
+    """``sse_low_rank_attention`` at the 2B layer shape in bf16 (18 heads, LoRA rank 64, gate rank 16; autocast's
+    bf16 inputs, float32 weights): with 3 head groups, one function that keeps the feature map's inputs and makes
+    each group's features again in its backward; with 1, the feature map's function and the chunk function. The
+    outputs are the same computation; the gradients differ only by the backward's products of a group's rows of the
+    low-rank maps (bf16 rounding)."""
+    from sse_model.ops.dispatch import sse_low_rank_attention
+
+    lengths, RQ, RG = [16384, 3000, 9000], 64, 16
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    sizes = [H * D, H * D, RQ, RQ, RG, RG]
+    proj = torch.randn(1, T, sum(sizes), device="cuda", dtype=torch.bfloat16)
+    maps = [torch.randn(H * D, r, device="cuda") / r**0.5 for r in (RQ, RQ, RG, RG)]
+    biases = [torch.randn(H * D, device="cuda") for _ in range(2)]
+    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(1, T, N, device="cuda")
+    features = dict(lora_side="sparse", q_activation="silu", k_activation="softmax", normalizer=16.0)
+    results = {}
+    for groups in (1, 3):
+        xs = [x.detach().requires_grad_() for x in (proj, v, logits, *maps, *biases)]
+        q, k, *low = xs[0].split(sizes, dim=-1)
+        ups = [(xs[3], None), (xs[4], None), (xs[5], xs[7]), (xs[6], xs[8])]
+        o, s = sse_low_rank_attention(q.unflatten(-1, (H, D)), k.unflatten(-1, (H, D)), low, ups, xs[1],
+                                      route(xs[2], Kw, Kr), SSEOptions(backward_head_groups=groups),
+                                      feature_options=features, output_final_state=True, cu_seqlens=cu)
+        torch.manual_seed(1)
+        do, ds = torch.randn_like(o, dtype=torch.float32), torch.randn_like(s, dtype=torch.float32)
+        results[groups] = (o, s, torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), xs))
+    (o1, s1, g1), (o3, s3, g3) = results[1], results[3]
+    assert torch.equal(o1, o3) and torch.equal(s1, s3)
+    names = ["projection", "v", "router logits", "lora q weight", "lora k weight", "gate weights", "gate weights",
+             "gate bias", "gate bias"]
+    for name, a, b in zip(names, g3, g1):
+        assert rel(a.float(), b.float()) < TOL[torch.bfloat16], name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gla_chunk_kernel(dtype):
     from kernels.sse_chunk import chunk_gla_triton
