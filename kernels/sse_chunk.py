@@ -741,7 +741,7 @@ class _LowRankChunkFunction(torch.autograd.Function):
 
         def forward_states():  # under checkpointing the block's recomputation takes these from its forward
             features = _features(q, k, low, weights, biases, options)[0]
-            o, ht, _ = _forward(call, *features, v, rw, ww, wm, h0)
+            o, ht, _ = _forward(call, *_token_major(features), v, rw, ww, wm, h0)
             return o, ht, None
 
         o, ht, _ = kept_outputs(forward_states, large=True)
@@ -751,31 +751,31 @@ class _LowRankChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, *rest = ctx.saved_tensors
+        q, k, *rest = ctx.saved_tensors  # q, k: [..., H, K] as the layer gave them (the features' shape)
         low, weights, biases, (v, rw, ww, wm, h0) = rest[:4], rest[4:8], rest[8:12], rest[12:]
-        L, H, K = q.shape
+        H, K = q.shape[-2:]
         n = H // ctx.call.head_groups
         one_group = replace(ctx.call, head_groups=1)  # each group an SSE call of its own, its states made again
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        d_ups = [torch.empty(L, H, K, device=q.device, dtype=low[0].dtype) for _ in range(4)]
+        d_ups = [torch.empty(q.shape, device=q.device, dtype=low[0].dtype) for _ in range(4)]
         dh0 = None if h0 is None else torch.empty(h0.shape, device=h0.device, dtype=torch.float32)
         drw = dww = None
         for first in range(0, H, n):
             heads = slice(first, first + n)
             rows = slice(first * K, (first + n) * K)  # the group's outputs of the low-rank maps
 
-            def part(x):
-                return None if x is None else x[:, heads].contiguous()
+            def part(x, axis=1):  # the group's heads: axis 1 of [L, H, V] and the states, -2 of q and k
+                return None if x is None else x.narrow(axis, first, n).contiguous()
 
-            features, ins, strides = _features(part(q), part(k), low, [w[rows] for w in weights],
+            features, ins, strides = _features(part(q, -2), part(k, -2), low, [w[rows] for w in weights],
                                                [None if b is None else b[rows] for b in biases], ctx.options)
-            *feature_grads, dv_g, drw_g, dww_g, dh0_g = _backward(one_group, part(do), part(dht), *features, part(v),
-                                                                 rw, ww, wm, part(h0), None)
+            *feature_grads, dv_g, drw_g, dww_g, dh0_g = _backward(
+                one_group, part(do), part(dht), *_token_major(features), part(v), rw, ww, wm, part(h0), None)
             del features
             grads = _features_backward(ins, strides, ctx.options, *feature_grads)
             del ins, feature_grads
             for full, g in zip((dq, d_ups[0], dk, d_ups[1], d_ups[2], d_ups[3]), grads):
-                full[:, heads] = g
+                full[..., heads, :] = g
             dv[:, heads] = dv_g
             if dh0 is not None:
                 dh0[:, heads] = dh0_g
@@ -787,9 +787,15 @@ class _LowRankChunkFunction(torch.autograd.Function):
 
 def _features(q, k, low, weights, biases, options):
     """``kernels/fused.py``'s feature map from the rank-r inputs: the six feature-mapped tensors (shared q, k, g,
-    then sparse), what its backward reads, and the token strides."""
+    then sparse), what its backward reads, and the token strides. The inputs in the layer's shapes, so that the
+    products (``F.linear``) round as :class:`~kernels.fused._LowRankFeatures`' do."""
     ups = _low_rank_products(q.shape[-2:], low, weights, biases)
     return _features_forward(q, ups[0], k, ups[1], ups[2], ups[3], options)
+
+
+def _token_major(features):
+    """The feature-mapped tensors (new, contiguous) as the chunk kernels' ``[L, H, K]``."""
+    return [x.reshape(-1, *x.shape[-2:]) for x in features]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -894,12 +900,10 @@ def sse_low_rank_chunk_triton(q, k, low, up, v, routing: Routing, opts: SSEOptio
     B, T, H, K = q.shape
     call, (rw, ww, wm), h0, finish = _prologue(B, T, H, K, v, routing, opts, initial_state, output_final_state,
                                                cu_seqlens, chunk_size, safe)
-    L = B * T
     options = (feature_options["lora_side"] == "shared", ACTIVATIONS.index(feature_options["q_activation"]),
                ACTIVATIONS.index(feature_options["k_activation"]), feature_options["normalizer"])
-    low = [x.reshape(L, x.shape[-1]) for x in low]
-    return finish(*_LowRankChunkFunction.apply(call, options, q.reshape(L, H, K), k.reshape(L, H, K), *low, wq, wk,
-                                               wg0, wg1, bq, bk, bg0, bg1, _tokens(v, L), rw, ww, wm, h0))
+    return finish(*_LowRankChunkFunction.apply(call, options, q, k, *low, wq, wk, wg0, wg1, bq, bk, bg0, bg1,
+                                               _tokens(v, B * T), rw, ww, wm, h0))
 
 
 def _prologue(B, T, H, K, v, routing, opts, initial_state, output_final_state, cu_seqlens, chunk_size, safe):
