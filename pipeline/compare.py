@@ -9,7 +9,8 @@ them, the share of answers given in a box and the accuracy of boxed answers alon
 that answers from noise read by the fallback, and a stage that gains by dropping the asked format). A second table
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
 stage, and a run whose training started from another run's model (``<stage>/started_from.json``, e.g. GRPO variants
-from one distilled model) against that model's evaluation, paired over the same problems where the summaries kept
+from one distilled model) against that model's evaluation, and the mean of runs whose recipes differ in the seed
+alone (draws of one variant from one model) against it, paired over the same problems where the summaries kept
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
 separate intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
 intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
@@ -21,10 +22,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from eval.metrics import bootstrap_ci
 from eval.report import accuracy, accuracy_cell, atomic_write
 
 from .metrics import first_last_means, moving_average, read_metrics
+from .recipe import stage_settings
 
 # what produced a model, read off the path of the checkpoint an evaluation names (its ``model`` field)
 STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distillation"),
@@ -52,6 +56,9 @@ class Run:
     tokens_per_s: float | None = None
     state_bytes: int | None = None
     starts: dict[str, str] = field(default_factory=dict)  # stage ("after GRPO") -> the model its training started from
+    # stage -> its settings but the seed (the run's recipe.yaml): runs that differ in the seed alone are draws of one
+    # variant, pooled against the model they started from
+    variants: dict[str, str] = field(default_factory=dict)
 
 
 def stage_of(model: str, where: Path, run: Path) -> str:
@@ -79,10 +86,16 @@ def read_run(label: str, folder: Path) -> Run:
     run.evaluations.sort(key=lambda e: order.index(e.stage) if e.stage in order else len(order))
     if not run.evaluations:
         raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
+    recipe = folder / "recipe.yaml"
+    resolved = yaml.safe_load(recipe.read_text()) if recipe.exists() else None
     for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.run._record_start)
-        record = folder / pattern.split("/")[1] / "started_from.json"
+        name = pattern.split("/")[1]
+        record = folder / name / "started_from.json"
         if pattern.endswith("/final") and record.exists():
             run.starts[stage] = json.loads(record.read_text())["model"]
+            if isinstance(resolved, dict):
+                settings = {k: v for k, v in stage_settings(resolved, name).items() if k != "seed"}
+                run.variants[stage] = json.dumps(settings, sort_keys=True, default=str)
     rows = read_metrics(folder / "grpo" / "metrics.jsonl")
     for key, name in (("reward", "reward"), ("rewards/accuracy/mean", "accuracy")):
         points = sorted({r["step"]: r[key] for r in rows if isinstance(r.get(key), (int, float))}.items())
@@ -104,6 +117,21 @@ def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[fl
         return None
     diffs = [after[key] - before[key] for key in shared]
     return (sum(diffs) / len(diffs), *bootstrap_ci(diffs))
+
+
+def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
+    """One evaluation whose problems' accuracies (and boxed answers' accuracies) are the means over
+    ``evaluations``, on the problems all of them scored: what several draws of one variant gained on average, to
+    pair against the model they started from as one run is."""
+    benchmarks = {}
+    for benchmark in set.intersection(*(set(e.benchmarks) for e in evaluations)):
+        problems: dict[str, dict] = {}
+        for reading in ("accuracy", "boxed_accuracy"):
+            each = [e.accuracies(benchmark, reading) for e in evaluations]
+            for key in set.intersection(*(set(a) for a in each)):
+                problems.setdefault(key, {"id": key})[reading] = sum(a[key] for a in each) / len(each)
+        benchmarks[benchmark] = {"per_problem": list(problems.values())}
+    return Evaluation(stage, benchmarks)
 
 
 def _signed(change: tuple[float, float, float] | None) -> str:
@@ -128,6 +156,18 @@ def markdown(runs: list[Run]) -> str:
     pairs += [(f"{run.label}: {other.label}, {start.stage} -> {e.stage}", start, e) for run in runs
               for e in run.evaluations if e.stage in run.starts for other in runs if other is not run
               for start in other.evaluations if start.model and start.model == run.starts[e.stage]]
+    # runs that differ in the seed alone, started from one model: the mean of their problems' accuracies against it
+    draws: dict[tuple[str, str, str], list[tuple[str, Evaluation]]] = {}
+    for run in runs:
+        for e in run.evaluations:
+            if e.stage in run.variants:
+                draws.setdefault((run.starts[e.stage], e.stage, run.variants[e.stage]), []).append((run.label, e))
+    for (model, stage, _), members in draws.items():
+        start = next(((other, s) for other in runs for s in other.evaluations if s.model and s.model == model), None)
+        if len(members) > 1 and start is not None:
+            labels = ", ".join(label for label, _ in members)
+            pairs.append((f"mean of {labels}: {start[0].label}, {start[1].stage} -> {stage}", start[1],
+                          pooled(stage, [e for _, e in members])))
     tables = 0
     for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
         changes = []
@@ -141,9 +181,10 @@ def markdown(runs: list[Run]) -> str:
                       "|---|" + "---|" * len(benchmarks), *changes, ""]
             tables += 1
     if tables:
-        lines += ["Each stage's model against the one before it, each run against the first at the same stage, and "
-                  "a run started from another run's model against that model, on the same problems: the mean change "
-                  "of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
+        lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
+                  "a run started from another run's model against that model, and the mean of runs that differ in "
+                  "the seed alone against the model they started from, on the same problems: the mean change of a "
+                  "problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
                   "evaluations kept each problem's boxed answers' accuracy.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]

@@ -313,6 +313,44 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert "empty: no evaluation (summary.json)" in capsys.readouterr().err
 
 
+def test_compare_pools_the_draws_of_one_variant_against_the_model_they_started_from(tmp_path):
+    """Runs started from one model whose recipes differ in the seed alone are draws of one variant: compare pairs
+    the mean of their problems' accuracies with that model's evaluation; a run with other settings stays out."""
+    import random
+
+    import yaml
+
+    from eval.metrics import summarize
+    from eval.report import write_reports
+    from pipeline.compare import markdown, read_run
+
+    start_model = f"{tmp_path}/arm/distill/final [0]"
+
+    def evaluation(folder, model, rate, seed):
+        rng = random.Random(seed)
+        correct = [rng.random() < rate for _ in range(40)]
+        summary = {"benchmarks": {"gsm8k": summarize([{"correct": [c], "clusters": [0], "lengths": [10],
+                                                       "truncated": [False]} for c in correct])}, "model": model}
+        summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": float(c)}
+                                                         for i, c in enumerate(correct)]
+        write_reports(summary, folder)
+        return {f"p{i}": float(c) for i, c in enumerate(correct)}
+
+    start = evaluation(tmp_path / "arm" / "eval" / "distill", start_model, 0.2, 0)
+    draws = {}
+    for name, seed, steps in (("a", 0, 80), ("b", 1, 80), ("c", 2, 120)):
+        folder = tmp_path / name
+        draws[name] = evaluation(folder / "eval", f"{folder}/grpo/final [{seed}]", 0.5, seed + 10)
+        (folder / "grpo").mkdir()
+        (folder / "grpo" / "started_from.json").write_text(json.dumps({"model": start_model}))
+        (folder / "recipe.yaml").write_text(yaml.safe_dump({"seed": seed, "output_dir": str(folder),
+                                                            "grpo": {"steps": steps, "learning_rate": 1e-5}}))
+    text = markdown([read_run("arm", tmp_path / "arm"), *(read_run(n, tmp_path / n) for n in "abc")])
+    mean = sum((draws["a"][k] + draws["b"][k]) / 2 - start[k] for k in start) / len(start)
+    assert f"| mean of a, b: arm, after distillation -> after GRPO | {100 * mean:+.1f} (" in text
+    assert "mean of a, b, c" not in text and "| c: arm, after distillation -> after GRPO |" in text
+
+
 def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
     """Problems of every difficulty, 30 of 100 one sample better after: the two models' intervals overlap, the
     paired interval of the change lies above zero."""
