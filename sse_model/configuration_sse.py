@@ -79,8 +79,8 @@ class SSEConfig(PretrainedConfig):
     ``sse_backward_head_groups``: above 1, the SSE chunk kernels' backward makes the chunk states again, this
     many groups of heads one after another, instead of keeping the forward's: neither the states (about
     ``head_dim / 16`` units of the layer's keys) between the forward and the backward nor all heads' states and
-    their gradients at once inside it, for one more state pass a step (``docs/paper_scale.md``). It must divide
-    ``num_heads``.
+    their gradients at once inside it, for one more state pass a step (``docs/paper_scale.md``); on packed rows the
+    six feature-mapped inputs are made again a group at a time too. It must divide ``num_heads``.
     """
 
     model_type = "sse_hybrid"
