@@ -12,7 +12,9 @@ stage, and a run whose training started from another run's model (``<stage>/star
 from one distilled model) against that model's evaluation, and the mean of runs whose recipes differ in the seed
 alone (draws of one variant from one model) against it, paired over the same problems where the summaries kept
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
-separate intervals, whose overlap hides a change that most problems share. The figure puts the accuracies with their
+separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside)
+are draws of one arm: each stage's evaluations get a pooled row ("mean of A, B, ...") and, against the first run's
+arm drawn as often, a pooled difference, since one draw's distance from the other arm is as noisy as the draws. The figure puts the accuracies with their
 intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
 """
 
@@ -33,6 +35,9 @@ from .recipe import stage_settings
 # what produced a model, read off the path of the checkpoint an evaluation names (its ``model`` field)
 STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distillation"),
                  ("/align/final", "after alignment"), ("/initial", "before training"))
+# the training stages whose settings made each stage's model
+CHAIN = {"before training": (), "after alignment": ("align",), "after distillation": ("align", "distill"),
+         "after GRPO": ("align", "distill", "grpo")}
 
 
 @dataclass
@@ -59,6 +64,9 @@ class Run:
     # stage -> its settings but the seed (the run's recipe.yaml): runs that differ in the seed alone are draws of one
     # variant, pooled against the model they started from
     variants: dict[str, str] = field(default_factory=dict)
+    # stage -> the settings that made and scored its model, the seed aside, where the run made it from its own
+    # earlier stages: whole runs of one recipe are draws of one arm, pooled stage by stage
+    lineage: dict[str, str] = field(default_factory=dict)
 
 
 def stage_of(model: str, where: Path, run: Path) -> str:
@@ -88,14 +96,22 @@ def read_run(label: str, folder: Path) -> Run:
         raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
     recipe = folder / "recipe.yaml"
     resolved = yaml.safe_load(recipe.read_text()) if recipe.exists() else None
+    borrowed = set()  # training stages that started from a model another run made (--checkpoint)
     for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.run._record_start)
         name = pattern.split("/")[1]
         record = folder / name / "started_from.json"
         if pattern.endswith("/final") and record.exists():
             run.starts[stage] = json.loads(record.read_text())["model"]
             if isinstance(resolved, dict):
-                settings = {k: v for k, v in stage_settings(resolved, name).items() if k != "seed"}
-                run.variants[stage] = json.dumps(settings, sort_keys=True, default=str)
+                run.variants[stage] = json.dumps(_settings(resolved, name), sort_keys=True, default=str)
+                if not run.starts[stage].startswith(str(resolved.get("output_dir", "")).rstrip("/") + "/"):
+                    borrowed.add(name)
+    if isinstance(resolved, dict):
+        for stage, chain in CHAIN.items():
+            if not borrowed & set(chain):
+                run.lineage[stage] = json.dumps({"model": resolved.get("model"), "eval": _settings(resolved, "eval"),
+                                                 **{name: _settings(resolved, name) for name in chain}},
+                                                sort_keys=True, default=str)
     rows = read_metrics(folder / "grpo" / "metrics.jsonl")
     for key, name in (("reward", "reward"), ("rewards/accuracy/mean", "accuracy")):
         points = sorted({r["step"]: r[key] for r in rows if isinstance(r.get(key), (int, float))}.items())
@@ -107,6 +123,11 @@ def read_run(label: str, folder: Path) -> Run:
     if engines.exists():
         run.state_bytes = next(iter(json.loads(engines.read_text())), {}).get("per_slot_bytes")
     return run
+
+
+def _settings(resolved: dict, stage: str) -> dict:
+    """A stage's settings but the seed: what runs that are draws of one variant share."""
+    return {k: v for k, v in stage_settings(resolved, stage).items() if k != "seed"}
 
 
 def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float] | None:
@@ -138,6 +159,30 @@ def _signed(change: tuple[float, float, float] | None) -> str:
     return "" if change is None else "{:+.1f} ({:+.1f} to {:+.1f})".format(*(100 * v for v in change))
 
 
+def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
+    """A pooled evaluation's table cell, in %: the mean over its problems with a 95% interval from resampling them,
+    and the boxed answers' alone where every draw counted them."""
+    cells = []
+    for reading in ("accuracy", "boxed_accuracy"):
+        values = list(evaluation.accuracies(benchmark, reading).values())
+        if values:
+            cells.append("{:.1f} ({:.1f}-{:.1f})".format(*(100 * v for v in (sum(values) / len(values),
+                                                                            *bootstrap_ci(values)))))
+    return f"{cells[0]} ({cells[1]} boxed alone)" if len(cells) == 2 else "".join(cells)
+
+
+def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluation]]:
+    """(stage, lineage) -> the labels of the whole runs of one recipe (the seed aside) that scored that stage, and
+    their pooled evaluation: draws of one arm, where one draw's distance from another arm is as noisy as the draws."""
+    members: dict[tuple[str, str], list[tuple[str, Evaluation]]] = {}
+    for run in runs:
+        for e in run.evaluations:
+            if e.stage in run.lineage:
+                members.setdefault((e.stage, run.lineage[e.stage]), []).append((run.label, e))
+    return {key: ([label for label, _ in m], pooled(key[0], [e for _, e in m])) for key, m in members.items()
+            if len(m) > 1}
+
+
 def markdown(runs: list[Run]) -> str:
     benchmarks = list(dict.fromkeys(b for run in runs for e in run.evaluations for b in e.benchmarks))
     lines = ["| model | " + " | ".join(f"{b} (avg@n, 95% CI)" for b in benchmarks) + " |",
@@ -146,8 +191,13 @@ def markdown(runs: list[Run]) -> str:
         for e in run.evaluations:
             cells = [accuracy_cell(e.benchmarks[b]) if b in e.benchmarks else "" for b in benchmarks]
             lines.append(f"| {run.label}, {e.stage} | " + " | ".join(cells) + " |")
-    lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks.",
-              ""]
+    draws_of_arms = arm_draws(runs)
+    for (stage, _), (labels, e) in draws_of_arms.items():
+        cells = [pooled_cell(e, b) if b in e.benchmarks else "" for b in benchmarks]
+        lines.append(f"| mean of {', '.join(labels)}, {stage} | " + " | ".join(cells) + " |")
+    lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks"
+              + ("; a mean of runs: each problem's accuracy averaged over whole runs of one recipe (the seed aside), "
+                 "its interval from the problems" if draws_of_arms else "") + ".", ""]
     pairs = [(f"{run.label}: {earlier.stage} -> {later.stage}", earlier, later)
              for run in runs for earlier, later in zip(run.evaluations, run.evaluations[1:])]
     pairs += [(f"{run.label} - {runs[0].label}, {e.stage}", first, e) for run in runs[1:] for e in run.evaluations
@@ -168,6 +218,11 @@ def markdown(runs: list[Run]) -> str:
             labels = ", ".join(label for label, _ in members)
             pairs.append((f"mean of {labels}: {start[0].label}, {start[1].stage} -> {stage}", start[1],
                           pooled(stage, [e for _, e in members])))
+    # draws of one arm against the draws of the first run's arm, at the same stage
+    first = {stage: key for stage, key in runs[0].lineage.items() if (stage, key) in draws_of_arms}
+    pairs += [(f"mean of {', '.join(labels)} - mean of {', '.join(draws_of_arms[(stage, first[stage])][0])}, {stage}",
+               draws_of_arms[(stage, first[stage])][1], e)
+              for (stage, key), (labels, e) in draws_of_arms.items() if stage in first and key != first[stage]]
     tables = 0
     for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
         changes = []
@@ -182,8 +237,9 @@ def markdown(runs: list[Run]) -> str:
             tables += 1
     if tables:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
-                  "a run started from another run's model against that model, and the mean of runs that differ in "
-                  "the seed alone against the model they started from, on the same problems: the mean change of a "
+                  "a run started from another run's model against that model, the mean of runs that differ in "
+                  "the seed alone against the model they started from, and the mean of whole runs of one recipe "
+                  "against the first run's, on the same problems: the mean change of a "
                   "problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
                   "evaluations kept each problem's boxed answers' accuracy.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
