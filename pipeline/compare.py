@@ -14,8 +14,9 @@ alone (draws of one variant from one model) against it, paired over the same pro
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
 separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside)
 are draws of one arm: each stage's evaluations get a pooled row ("mean of A, B, ...") and, against the first run's
-arm drawn as often, a pooled difference, since one draw's distance from the other arm is as noisy as the draws. The figure puts the accuracies with their
-intervals on the left and both arms' GRPO curves on the right, so an arm's gain reads against the other's.
+arm drawn as often, a pooled difference, since one draw's distance from the other arm is as noisy as the draws.
+The figure puts the accuracies with their intervals on the left and both arms' GRPO curves on the right, so an
+arm's gain reads against the other's.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def read_run(label: str, folder: Path) -> Run:
                 if not run.starts[stage].startswith(str(resolved.get("output_dir", "")).rstrip("/") + "/"):
                     borrowed.add(name)
     if isinstance(resolved, dict):
-        for stage, chain in CHAIN.items():
-            if not borrowed & set(chain):
+        for stage, chain in CHAIN.items():  # a stage left out means its model came from elsewhere (runs before
+            # started_from.json was recorded); a borrowed start, from another run
+            if not borrowed & set(chain) and all((resolved.get(name) or {}).get("enabled", True) for name in chain):
                 run.lineage[stage] = json.dumps({"model": resolved.get("model"), "eval": _settings(resolved, "eval"),
                                                  **{name: _settings(resolved, name) for name in chain}},
                                                 sort_keys=True, default=str)
@@ -149,7 +151,8 @@ def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
         problems: dict[str, dict] = {}
         for reading in ("accuracy", "boxed_accuracy"):
             each = [e.accuracies(benchmark, reading) for e in evaluations]
-            for key in set.intersection(*(set(a) for a in each)):
+            # in the first evaluation's order: the bootstrap resamples a list, and a set's order changes per process
+            for key in [k for k in each[0] if all(k in a for a in each[1:])]:
                 problems.setdefault(key, {"id": key})[reading] = sum(a[key] for a in each) / len(each)
         benchmarks[benchmark] = {"per_problem": list(problems.values())}
     return Evaluation(stage, benchmarks)

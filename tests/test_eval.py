@@ -363,7 +363,7 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
     from eval.report import write_reports
     from pipeline.compare import markdown, read_run
 
-    def run(name, rate, seed, epochs=2, borrowed=None):
+    def run(name, rate, seed, epochs=2, borrowed=None, align=True):
         folder = tmp_path / name
         rng = random.Random(seed)
         correct = [rng.random() < rate for _ in range(60)]
@@ -374,25 +374,35 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                                                          for i, c in enumerate(correct)]
         write_reports(summary, folder / "eval" / "distill")
         (folder / "distill").mkdir()
-        start = borrowed or f"{folder}/align/final [{seed}]"
-        (folder / "distill" / "started_from.json").write_text(json.dumps({"model": start}))
+        if align:  # runs before the records: no started_from.json
+            start = borrowed or f"{folder}/align/final [{seed}]"
+            (folder / "distill" / "started_from.json").write_text(json.dumps({"model": start}))
         arm = "attn" if name.startswith("t") else "sse"
         (folder / "recipe.yaml").write_text(yaml.safe_dump({
-            "seed": seed, "output_dir": str(folder), "model": {"mixer": arm},
+            "seed": seed, "output_dir": str(folder), "model": {"mixer": arm}, "align": {"enabled": align},
             "distill": {"epochs": epochs, "learning_rate": 3e-4}, "eval": {"repeats": 1}}))
         return {f"p{i}": float(c) for i, c in enumerate(correct)}
 
     s1, s2, t1, t2 = run("s1", 0.2, 0), run("s2", 0.2, 1), run("t1", 0.4, 2), run("t2", 0.4, 3)
     run("s3", 0.2, 4, epochs=3)
     run("s4", 0.2, 5, borrowed=f"{tmp_path}/s1/align/final [0]")
-    text = markdown([read_run(n, tmp_path / n) for n in ("s1", "s2", "s3", "s4", "t1", "t2")])
+    run("s5", 0.2, 6, align=False), run("s6", 0.2, 7, align=False)
+    text = markdown([read_run(n, tmp_path / n) for n in ("s1", "s2", "s3", "s4", "s5", "s6", "t1", "t2")])
     s_mean = sum(s1[k] + s2[k] for k in s1) / (2 * len(s1))
     assert f"| mean of s1, s2, after distillation | {100 * s_mean:.1f} (" in text
     diff = sum((t1[k] + t2[k]) / 2 - (s1[k] + s2[k]) / 2 for k in s1) / len(s1)
     assert f"| mean of t1, t2 - mean of s1, s2, after distillation | {100 * diff:+.1f} (" in text
+    from pipeline.compare import Evaluation, pooled
+
+    evaluations = [Evaluation("after distillation", {"gsm8k": {"per_problem": [{"id": k, "accuracy": v}
+                                                                               for k, v in d.items()]}})
+                   for d in (s1, s2)]
+    assert [p["id"] for p in pooled("after distillation", evaluations).benchmarks["gsm8k"]["per_problem"]] == \
+        list(s1), "the problems in the draws' order: the same command gives the same intervals"
+    # s3 trained 3 epochs; the models of s4 (a --checkpoint), s5 and s6 (align left out, no record) came from elsewhere
     pooled_rows = {line.split(" | ")[0] for line in text.splitlines() if line.startswith("| mean of")}
     assert pooled_rows == {"| mean of s1, s2, after distillation", "| mean of t1, t2, after distillation",
-                           "| mean of t1, t2 - mean of s1, s2, after distillation"}  # s3: 3 epochs, s4: borrowed
+                           "| mean of t1, t2 - mean of s1, s2, after distillation"}
 
 
 def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
