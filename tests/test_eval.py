@@ -361,7 +361,7 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
 
     from eval.metrics import summarize
     from eval.report import write_reports
-    from pipeline.compare import markdown, read_run
+    from pipeline.compare import Evaluation, markdown, pooled, read_run
 
     def run(name, rate, seed, epochs=2, borrowed=None, align=True):
         folder = tmp_path / name
@@ -392,8 +392,6 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
     assert f"| mean of s1, s2, after distillation | {100 * s_mean:.1f} (" in text
     diff = sum((t1[k] + t2[k]) / 2 - (s1[k] + s2[k]) / 2 for k in s1) / len(s1)
     assert f"| mean of t1, t2 - mean of s1, s2, after distillation | {100 * diff:+.1f} (" in text
-    from pipeline.compare import Evaluation, pooled
-
     evaluations = [Evaluation("after distillation", {"gsm8k": {"per_problem": [{"id": k, "accuracy": v}
                                                                                for k, v in d.items()]}})
                    for d in (s1, s2)]

@@ -154,7 +154,7 @@ class SSEAttention(nn.Module):
             else:
                 v = feature_map(heads(v, V), cfg.v_activation)
                 if mask is None:  # the feature map in SSE's own call (sse_low_rank_attention)
-                    feature_inputs = (heads(q, K), heads(k, K), low, ups, options)
+                    feature_inputs = (heads(q, K), heads(k, K), low, ups)
                 else:  # the LoRA add, both feature maps, both log-decays; the backward keeps the rank-r inputs
                     features = sse_low_rank_features(heads(q, K), heads(k, K), low, ups, **options)
             if feature_inputs is None:
@@ -205,8 +205,8 @@ class SSEAttention(nn.Module):
                     initial_state=None if state is None else state.recurrent, output_final_state=ctx.use_cache,
                     cu_seqlens=ctx.cu_seqlens)
         if feature_inputs is not None:
-            *inputs, options = feature_inputs
-            o, recurrent = sse_low_rank_attention(*inputs, v, routing, self.options, feature_options=options, **call)
+            o, recurrent = sse_low_rank_attention(*feature_inputs, v, routing, self.options, feature_options=options,
+                                                  **call)
         else:
             o, recurrent = sse_attention(shared, sparse, v, routing, self.options, **call)
         if state is not None:

@@ -193,14 +193,16 @@ def sse_attention(
 
 
 def sse_low_rank_attention(q, k, low, up, v, routing: Routing, opts: SSEOptions, *, feature_options: dict,
-                           implementation: str = "auto", initial_state: torch.Tensor | None = None,
-                           output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           implementation: str = "auto", mode: str = "auto", chunk_size: int = 16,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SSE from its feature map's inputs (unpadded tokens): :func:`sse_low_rank_features` (``feature_options``),
     then :func:`sse_attention` (the other arguments). A backend may take both in one function
     (``Backend.sse_low_rank``): with ``opts.backward_head_groups`` > 1 the Triton one keeps the feature map's inputs
     rather than its six outputs for the backward, which makes them again a group of heads at a time
     (docs/paper_scale.md)."""
+    if implementation not in SSE_IMPLEMENTATIONS:
+        raise ValueError(f"unknown SSE implementation {implementation!r}; expected one of {SSE_IMPLEMENTATIONS}")
     kw = dict(implementation=implementation, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens)
     backend = active_backend(v)
@@ -210,7 +212,7 @@ def sse_low_rank_attention(q, k, low, up, v, routing: Routing, opts: SSEOptions,
             return out
     q_sh, k_sh, g_sh, q_sp, k_sp, g_sp = sse_low_rank_features(q, k, low, up, **feature_options)
     return sse_attention(Branch(q_sh, k_sh, g_sh, None), Branch(q_sp, k_sp, g_sp, None), v, routing, opts, **kw,
-                         **kwargs)
+                         mode=mode, chunk_size=chunk_size)
 
 
 def route_tokens(router_logits: torch.Tensor, num_writers: int, num_readers: int) -> Routing:
