@@ -14,7 +14,8 @@ alone (draws of one variant from one model) against it, paired over the same pro
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
 separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside)
 are draws of one arm: each stage's evaluations get a pooled row ("mean of A, B, ...") and, against the first run's
-arm drawn as often, a pooled difference, since one draw's distance from the other arm is as noisy as the draws.
+arm's draws of the most alike settings, a pooled difference, since one draw's distance from the other arm is as
+noisy as the draws.
 The figure puts the accuracies with their intervals on the left and both arms' GRPO curves on the right, so an
 arm's gain reads against the other's.
 """
@@ -186,6 +187,28 @@ def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluat
             if len(m) > 1}
 
 
+def first_arm_pool(first: Run, stage: str, key: str, draws_of_arms: dict) -> str | None:
+    """The lineage of the first run's arm's draws that a pool of draws (``key``) is measured against: for the first
+    arm's own other pools, the first run's; for another arm, the first arm's pool with the fewest settings unlike its
+    own (so GRPO of 160 steps meets the other arm's GRPO of 160 steps, not of 80), the first run's on a tie."""
+    model = json.loads(first.lineage[stage])["model"] if stage in first.lineage else None
+    pools = [k for s, k in draws_of_arms if s == stage and json.loads(k)["model"] == model]
+    pools.sort(key=lambda k: k != first.lineage.get(stage))  # the first run's own pool first (a stable sort)
+    if not pools or json.loads(key)["model"] == model:
+        return first.lineage.get(stage) if first.lineage.get(stage) in pools else None
+    mine = _leaves(json.loads(key))
+    return min(pools, key=lambda k: sum(mine.get(n) != v for n, v in _leaves(json.loads(k)).items())
+               + len(mine.keys() - _leaves(json.loads(k)).keys()))
+
+
+def _leaves(settings: dict, prefix: str = "") -> dict:
+    """Nested settings as one level of dotted keys, so two lineages count the settings in which they differ."""
+    out = {}
+    for name, value in settings.items():
+        out.update(_leaves(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
+    return out
+
+
 def markdown(runs: list[Run]) -> str:
     benchmarks = list(dict.fromkeys(b for run in runs for e in run.evaluations for b in e.benchmarks))
     lines = ["| model | " + " | ".join(f"{b} (avg@n, 95% CI)" for b in benchmarks) + " |",
@@ -222,10 +245,11 @@ def markdown(runs: list[Run]) -> str:
             pairs.append((f"mean of {labels}: {start[0].label}, {start[1].stage} -> {stage}", start[1],
                           pooled(stage, [e for _, e in members])))
     # draws of one arm against the draws of the first run's arm, at the same stage
-    first = {stage: key for stage, key in runs[0].lineage.items() if (stage, key) in draws_of_arms}
-    pairs += [(f"mean of {', '.join(labels)} - mean of {', '.join(draws_of_arms[(stage, first[stage])][0])}, {stage}",
-               draws_of_arms[(stage, first[stage])][1], e)
-              for (stage, key), (labels, e) in draws_of_arms.items() if stage in first and key != first[stage]]
+    for (stage, key), (labels, e) in draws_of_arms.items():
+        base = first_arm_pool(runs[0], stage, key, draws_of_arms)
+        if base is not None and base != key:
+            pairs.append((f"mean of {', '.join(labels)} - mean of {', '.join(draws_of_arms[(stage, base)][0])}, "
+                          f"{stage}", draws_of_arms[(stage, base)][1], e))
     tables = 0
     for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
         changes = []
@@ -242,7 +266,7 @@ def markdown(runs: list[Run]) -> str:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
                   "a run started from another run's model against that model, the mean of runs that differ in "
                   "the seed alone against the model they started from, and the mean of whole runs of one recipe "
-                  "against the first run's, on the same problems: the mean change of a "
+                  "against the first run's arm's of the most alike settings, on the same problems: the mean change of a "
                   "problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
                   "evaluations kept each problem's boxed answers' accuracy.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",

@@ -387,7 +387,10 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
     run("s3", 0.2, 4, epochs=3)
     run("s4", 0.2, 5, borrowed=f"{tmp_path}/s1/align/final [0]")
     run("s5", 0.2, 6, align=False), run("s6", 0.2, 7, align=False)
-    text = markdown([read_run(n, tmp_path / n) for n in ("s1", "s2", "s3", "s4", "s5", "s6", "t1", "t2")])
+    # both arms drawn twice more with 3 epochs: the Transformer's pool meets SSE-H's of 3 epochs, not of 2
+    run("s7", 0.2, 8, epochs=3), run("t3", 0.4, 9, epochs=3), run("t4", 0.4, 10, epochs=3)
+    text = markdown([read_run(n, tmp_path / n) for n in ("s1", "s2", "s3", "s4", "s5", "s6", "s7", "t1", "t2",
+                                                         "t3", "t4")])
     s_mean = sum(s1[k] + s2[k] for k in s1) / (2 * len(s1))
     assert f"| mean of s1, s2, after distillation | {100 * s_mean:.1f} (" in text
     diff = sum((t1[k] + t2[k]) / 2 - (s1[k] + s2[k]) / 2 for k in s1) / len(s1)
@@ -397,10 +400,14 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                    for d in (s1, s2)]
     assert [p["id"] for p in pooled("after distillation", evaluations).benchmarks["gsm8k"]["per_problem"]] == \
         list(s1), "the problems in the draws' order: the same command gives the same intervals"
-    # s3 trained 3 epochs; the models of s4 (a --checkpoint), s5 and s6 (align left out, no record) came from elsewhere
+    # s3 and s7 trained 3 epochs; the models of s4 (a --checkpoint), s5 and s6 (align left out, no record) came
+    # from elsewhere
     pooled_rows = {line.split(" | ")[0] for line in text.splitlines() if line.startswith("| mean of")}
     assert pooled_rows == {"| mean of s1, s2, after distillation", "| mean of t1, t2, after distillation",
-                           "| mean of t1, t2 - mean of s1, s2, after distillation"}
+                           "| mean of s3, s7, after distillation", "| mean of t3, t4, after distillation",
+                           "| mean of t1, t2 - mean of s1, s2, after distillation",
+                           "| mean of s3, s7 - mean of s1, s2, after distillation",
+                           "| mean of t3, t4 - mean of s3, s7, after distillation"}
 
 
 def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
