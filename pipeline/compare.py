@@ -196,13 +196,17 @@ def first_arm_pool(first: Run, stage: str, key: str, draws_of_arms: dict) -> str
     pools.sort(key=lambda k: k != first.lineage.get(stage))  # the first run's own pool first (a stable sort)
     if not pools or json.loads(key)["model"] == model:
         return first.lineage.get(stage) if first.lineage.get(stage) in pools else None
-    mine = _leaves(json.loads(key))
-    return min(pools, key=lambda k: sum(mine.get(n) != v for n, v in _leaves(json.loads(k)).items())
-               + len(mine.keys() - _leaves(json.loads(k)).keys()))
+    return min(pools, key=lambda k: _unlike(json.loads(k), json.loads(key)))
+
+
+def _unlike(a: dict, b: dict) -> int:
+    """How many settings two lineages differ in, nested settings counted one by one."""
+    a, b = _leaves(a), _leaves(b)
+    return sum(n not in a or n not in b or a[n] != b[n] for n in a.keys() | b.keys())
 
 
 def _leaves(settings: dict, prefix: str = "") -> dict:
-    """Nested settings as one level of dotted keys, so two lineages count the settings in which they differ."""
+    """Nested settings as one level of dotted keys."""
     out = {}
     for name, value in settings.items():
         out.update(_leaves(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
@@ -266,8 +270,8 @@ def markdown(runs: list[Run]) -> str:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
                   "a run started from another run's model against that model, the mean of runs that differ in "
                   "the seed alone against the model they started from, and the mean of whole runs of one recipe "
-                  "against the first run's arm's of the most alike settings, on the same problems: the mean change of a "
-                  "problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
+                  "against the first run's arm's draws of the most alike settings, on the same problems: the mean "
+                  "change of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
                   "evaluations kept each problem's boxed answers' accuracy.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
