@@ -30,18 +30,18 @@ def accuracy(m: dict, boxed: bool = False) -> tuple[float, float, float] | None:
     return (m[key], *m[f"{key}_ci95"]) if key in m else None
 
 
-def _percent_ci(value: tuple[float, float, float] | None) -> str:
+def percent_ci(value: tuple[float, float, float] | None) -> str:
     return "" if value is None else "{:.1f} ({:.1f}-{:.1f})".format(*(100 * v for v in value))
 
 
 def accuracy_cell(m: dict) -> str:
     """One table cell of a benchmark's summary, in %: avg@n (95% CI), n, and where the evaluation counted them the
     share of boxed answers and their accuracy alone."""
-    cell = f"{_percent_ci(accuracy(m))}, n={m['repeats']}"
+    cell = f"{percent_ci(accuracy(m))}, n={m['repeats']}"
     if m.get("boxed_rate") is not None:
         cell += f", {100 * m['boxed_rate']:.0f}% boxed"
     if accuracy(m, boxed=True) is not None:
-        cell += f" ({_percent_ci(accuracy(m, boxed=True))} boxed alone)"
+        cell += f" ({percent_ci(accuracy(m, boxed=True))} boxed alone)"
     return cell
 
 
@@ -54,10 +54,10 @@ def markdown_table(summary: dict) -> str:
         n = m["repeats"]
         pass_n = m["pass@k"][n] if n in m["pass@k"] else m["pass@k"][str(n)]
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
-        lines.append(f"| {name} | {m['problems']} | {n} | {_percent_ci(accuracy(m))} | "
+        lines.append(f"| {name} | {m['problems']} | {n} | {percent_ci(accuracy(m))} | "
                      f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "
                      f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} | "
-                     f"{_percent_ci(accuracy(m, boxed=True))} |")
+                     f"{percent_ci(accuracy(m, boxed=True))} |")
     s = summary.get("sampling", {})
     lines.append("")
     if summary.get("model"):

@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from eval.metrics import bootstrap_ci
-from eval.report import accuracy, accuracy_cell, atomic_write
+from eval.report import accuracy, accuracy_cell, atomic_write, percent_ci
 
 from .metrics import first_last_means, moving_average, read_metrics
 from .recipe import stage_settings
@@ -170,8 +170,7 @@ def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
     for reading in ("accuracy", "boxed_accuracy"):
         values = list(evaluation.accuracies(benchmark, reading).values())
         if values:
-            cells.append("{:.1f} ({:.1f}-{:.1f})".format(*(100 * v for v in (sum(values) / len(values),
-                                                                            *bootstrap_ci(values)))))
+            cells.append(percent_ci((sum(values) / len(values), *bootstrap_ci(values))))
     return f"{cells[0]} ({cells[1]} boxed alone)" if len(cells) == 2 else "".join(cells)
 
 
@@ -191,11 +190,12 @@ def first_arm_pool(first: Run, stage: str, key: str, draws_of_arms: dict) -> str
     """The lineage of the first run's arm's draws that a pool of draws (``key``) is measured against: for the first
     arm's own other pools, the first run's; for another arm, the first arm's pool with the fewest settings unlike its
     own (so GRPO of 160 steps meets the other arm's GRPO of 160 steps, not of 80), the first run's on a tie."""
-    model = json.loads(first.lineage[stage])["model"] if stage in first.lineage else None
+    own = first.lineage.get(stage)
+    model = json.loads(own)["model"] if own else None
     pools = [k for s, k in draws_of_arms if s == stage and json.loads(k)["model"] == model]
-    pools.sort(key=lambda k: k != first.lineage.get(stage))  # the first run's own pool first (a stable sort)
+    pools.sort(key=lambda k: k != own)  # the first run's own pool first (a stable sort), so a tie picks it
     if not pools or json.loads(key)["model"] == model:
-        return first.lineage.get(stage) if first.lineage.get(stage) in pools else None
+        return own if own in pools else None
     return min(pools, key=lambda k: _unlike(json.loads(k), json.loads(key)))
 
 

@@ -353,8 +353,8 @@ def test_compare_pools_the_draws_of_one_variant_against_the_model_they_started_f
 
 def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
     """Whole runs of one recipe (the seed aside) are draws of one arm: compare gives each stage their pooled row and
-    pairs it with the first run's arm drawn as often; a run with other settings, or whose model came from another
-    run (--checkpoint), stays out."""
+    pairs it with the first run's arm's draws of the most alike settings; a run with other settings alone, or whose
+    model came from another run (--checkpoint), stays out."""
     import random
 
     import yaml
