@@ -34,12 +34,18 @@ def percent_ci(value: tuple[float, float, float] | None) -> str:
     return "" if value is None else "{:.1f} ({:.1f}-{:.1f})".format(*(100 * v for v in value))
 
 
+def answer_style(m: dict) -> str:
+    """How a model answered, from a benchmark's summary (or a pool of them): the mean completion length and the
+    share given in a box. Near the floor two models of one accuracy can differ here, and the difference says where
+    one's lead comes from (answers read by the last-number fallback, or the asked format)."""
+    style = f", {m['mean_length']:.0f} tokens" if m.get("mean_length") is not None else ""
+    return style + (f", {100 * m['boxed_rate']:.0f}% boxed" if m.get("boxed_rate") is not None else "")
+
+
 def accuracy_cell(m: dict) -> str:
-    """One table cell of a benchmark's summary, in %: avg@n (95% CI), n, and where the evaluation counted them the
-    share of boxed answers and their accuracy alone."""
-    cell = f"{percent_ci(accuracy(m))}, n={m['repeats']}"
-    if m.get("boxed_rate") is not None:
-        cell += f", {100 * m['boxed_rate']:.0f}% boxed"
+    """One table cell of a benchmark's summary, in %: avg@n (95% CI), n, the answers' style (:func:`answer_style`)
+    and, where the evaluation counted them, the boxed answers' accuracy alone."""
+    cell = f"{percent_ci(accuracy(m))}, n={m['repeats']}{answer_style(m)}"
     if accuracy(m, boxed=True) is not None:
         cell += f" ({percent_ci(accuracy(m, boxed=True))} boxed alone)"
     return cell

@@ -4,9 +4,10 @@
 From each run folder it reads what the stages left there: every evaluation (``summary.json`` under the run, one row
 each, named by the stage whose model it scored), GRPO's curves (``grpo/metrics.jsonl``: reward and accuracy per
 step) and its rollout engines (generated tokens/s over the logged steps, the recurrent state one sequence holds,
-``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark (and, where the evaluation counted
-them, the share of answers given in a box and the accuracy of boxed answers alone: near the floor they tell a model
-that answers from noise read by the fallback, and a stage that gains by dropping the asked format). A second table
+``grpo/engines.json``). The table gives avg@n with its 95% interval per benchmark, the answers' mean length (and,
+where the evaluation counted them, the share of answers given in a box and the accuracy of boxed answers alone: near
+the floor they tell a model that answers from noise read by the fallback, and a stage that gains by dropping the
+asked format). A second table
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
 stage, and a run whose training started from another run's model (``<stage>/started_from.json``, e.g. GRPO variants
 from one distilled model) against that model's evaluation, and the mean of runs whose recipes differ in the seed
@@ -29,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from eval.metrics import bootstrap_ci
-from eval.report import accuracy, accuracy_cell, atomic_write, percent_ci
+from eval.report import accuracy, accuracy_cell, answer_style, atomic_write, percent_ci
 
 from .metrics import first_last_means, moving_average, read_metrics
 from .recipe import stage_settings
@@ -146,7 +147,8 @@ def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[fl
 def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
     """One evaluation whose problems' accuracies (and boxed answers' accuracies) are the means over
     ``evaluations``, on the problems all of them scored: what several draws of one variant gained on average, to
-    pair against the model they started from as one run is."""
+    pair against the model they started from as one run is. The answers' mean length and boxed share are the
+    draws' means, where every draw has them."""
     benchmarks = {}
     for benchmark in set.intersection(*(set(e.benchmarks) for e in evaluations)):
         problems: dict[str, dict] = {}
@@ -156,6 +158,10 @@ def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
             for key in [k for k in each[0] if all(k in a for a in each[1:])]:
                 problems.setdefault(key, {"id": key})[reading] = sum(a[key] for a in each) / len(each)
         benchmarks[benchmark] = {"per_problem": list(problems.values())}
+        for name in ("mean_length", "boxed_rate"):
+            values = [e.benchmarks[benchmark].get(name) for e in evaluations]
+            if None not in values:
+                benchmarks[benchmark][name] = sum(values) / len(values)
     return Evaluation(stage, benchmarks)
 
 
@@ -165,13 +171,14 @@ def _signed(change: tuple[float, float, float] | None) -> str:
 
 def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
     """A pooled evaluation's table cell, in %: the mean over its problems with a 95% interval from resampling them,
-    and the boxed answers' alone where every draw counted them."""
+    the answers' style (as a run's cell has it) and the boxed answers' accuracy alone where every draw counted them."""
     cells = []
     for reading in ("accuracy", "boxed_accuracy"):
         values = list(evaluation.accuracies(benchmark, reading).values())
         if values:
             cells.append(percent_ci((sum(values) / len(values), *bootstrap_ci(values))))
-    return f"{cells[0]} ({cells[1]} boxed alone)" if len(cells) == 2 else "".join(cells)
+    cell = "".join(cells[:1]) + answer_style(evaluation.benchmarks[benchmark])
+    return f"{cell} ({cells[1]} boxed alone)" if len(cells) == 2 else cell
 
 
 def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluation]]:

@@ -286,10 +286,10 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     text = (out / "compare.md").read_text()
     low, high = sse["avg@4_ci95"]
     boxed, (boxed_low, boxed_high) = sse["boxed_avg@4"], sse["boxed_avg@4_ci95"]
-    assert (f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4, 75% boxed "
+    assert (f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4, 10 tokens, 75% boxed "
             f"({100 * boxed:.1f} ({100 * boxed_low:.1f}-{100 * boxed_high:.1f}) boxed alone) |") in text
     assert boxed < sse["avg@4"]  # a right answer out of a box counts in avg@4 only
-    assert "n=4 |" in text  # evaluations that did not count boxes (older summaries) show none
+    assert "n=4, 10 tokens |" in text  # evaluations that did not count boxes (older summaries) show none
     assert "| tf, after distillation |" in text
     rows = [text.index(f"| SSE-H, {stage} |") for stage in ("before training", "after distillation", "after GRPO")]
     assert rows == sorted(rows), "the pipeline's order"
@@ -329,7 +329,7 @@ def test_compare_pools_the_draws_of_one_variant_against_the_model_they_started_f
     def evaluation(folder, model, rate, seed):
         rng = random.Random(seed)
         correct = [rng.random() < rate for _ in range(40)]
-        summary = {"benchmarks": {"gsm8k": summarize([{"correct": [c], "clusters": [0], "lengths": [10],
+        summary = {"benchmarks": {"gsm8k": summarize([{"correct": [c], "clusters": [0], "lengths": [10 * (seed + 1)],
                                                        "truncated": [False]} for c in correct])}, "model": model}
         summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": float(c)}
                                                          for i, c in enumerate(correct)]
@@ -368,7 +368,7 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
         rng = random.Random(seed)
         correct = [rng.random() < rate for _ in range(60)]
         model = f"{folder}/distill/final [{seed}]"
-        summary = {"benchmarks": {"gsm8k": summarize([{"correct": [c], "clusters": [0], "lengths": [10],
+        summary = {"benchmarks": {"gsm8k": summarize([{"correct": [c], "clusters": [0], "lengths": [10 * (seed + 1)],
                                                        "truncated": [False]} for c in correct])}, "model": model}
         summary["benchmarks"]["gsm8k"]["per_problem"] = [{"id": f"p{i}", "accuracy": float(c)}
                                                          for i, c in enumerate(correct)]
@@ -393,6 +393,9 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                                                          "t3", "t4")])
     s_mean = sum(s1[k] + s2[k] for k in s1) / (2 * len(s1))
     assert f"| mean of s1, s2, after distillation | {100 * s_mean:.1f} (" in text
+    # the answers' style of a pool: the draws' mean length (10 and 20 tokens), as a run's cell gives its own
+    row = next(line for line in text.splitlines() if line.startswith("| mean of s1, s2, after distillation |"))
+    assert row.endswith(", 15 tokens |"), row
     diff = sum((t1[k] + t2[k]) / 2 - (s1[k] + s2[k]) / 2 for k in s1) / len(s1)
     assert f"| mean of t1, t2 - mean of s1, s2, after distillation | {100 * diff:+.1f} (" in text
     evaluations = [Evaluation("after distillation", {"gsm8k": {"per_problem": [{"id": k, "accuracy": v}
