@@ -177,7 +177,7 @@ def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
         values = list(evaluation.accuracies(benchmark, reading).values())
         if values:
             cells.append(percent_ci((sum(values) / len(values), *bootstrap_ci(values))))
-    cell = "".join(cells[:1]) + answer_style(evaluation.benchmarks[benchmark])
+    cell = (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
     return f"{cell} ({cells[1]} boxed alone)" if len(cells) == 2 else cell
 
 
