@@ -13,10 +13,10 @@ stage, and a run whose training started from another run's model (``<stage>/star
 from one distilled model) against that model's evaluation, and the mean of runs whose recipes differ in the seed
 alone (draws of one variant from one model) against it, paired over the same problems where the summaries kept
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
-separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside)
-are draws of one arm: each stage's evaluations get a pooled row ("mean of A, B, ...") and, against the first run's
-arm's draws of the most alike settings, a pooled difference, since one draw's distance from the other arm is as
-noisy as the draws.
+separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside),
+and runs of one recipe from one shared model (a sweep's ``--shared`` stage), are draws of one arm: each stage's
+evaluations get a pooled row ("mean of A, B, ...") and, against the first run's arm's draws of the most alike
+settings, a pooled difference, since one draw's distance from the other arm is as noisy as the draws.
 The figure puts the accuracies with their intervals on the left and both arms' GRPO curves on the right, so an
 arm's gain reads against the other's.
 """
@@ -99,7 +99,7 @@ def read_run(label: str, folder: Path) -> Run:
         raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
     recipe = folder / "recipe.yaml"
     resolved = yaml.safe_load(recipe.read_text()) if recipe.exists() else None
-    borrowed = set()  # training stages that started from a model another run made (--checkpoint)
+    borrowed = {}  # training stage -> the model another run made that it started from (--checkpoint)
     for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.run._record_start)
         name = pattern.split("/")[1]
         record = folder / name / "started_from.json"
@@ -108,13 +108,18 @@ def read_run(label: str, folder: Path) -> Run:
             if isinstance(resolved, dict):
                 run.variants[stage] = json.dumps(_settings(resolved, name), sort_keys=True, default=str)
                 if not run.starts[stage].startswith(str(resolved.get("output_dir", "")).rstrip("/") + "/"):
-                    borrowed.add(name)
+                    borrowed[name] = run.starts[stage]
     if isinstance(resolved, dict):
-        for stage, chain in CHAIN.items():  # a stage left out means its model came from elsewhere (runs before
-            # started_from.json was recorded); a borrowed start, from another run
-            if not borrowed & set(chain) and all((resolved.get(name) or {}).get("enabled", True) for name in chain):
+        for stage, chain in CHAIN.items():
+            # a borrowed start: the lineage names that model and the stages from it on (draws from one shared
+            # model pool with each other, not with whole runs); a stage left out with no record means its model
+            # came from elsewhere (runs before started_from.json was recorded)
+            cut = max((i for i, name in enumerate(chain) if name in borrowed), default=None)
+            made = chain if cut is None else chain[cut:]
+            if all((resolved.get(name) or {}).get("enabled", True) for name in made):
+                start = {} if cut is None else {"start": borrowed[chain[cut]]}
                 run.lineage[stage] = json.dumps({"model": resolved.get("model"), "eval": _settings(resolved, "eval"),
-                                                 **{name: _settings(resolved, name) for name in chain}},
+                                                 **start, **{name: _settings(resolved, name) for name in made}},
                                                 sort_keys=True, default=str)
     rows = read_metrics(folder / "grpo" / "metrics.jsonl")
     for key, name in (("reward", "reward"), ("rewards/accuracy/mean", "accuracy")):
@@ -182,8 +187,9 @@ def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
 
 
 def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluation]]:
-    """(stage, lineage) -> the labels of the whole runs of one recipe (the seed aside) that scored that stage, and
-    their pooled evaluation: draws of one arm, where one draw's distance from another arm is as noisy as the draws."""
+    """(stage, lineage) -> the labels of the runs of one recipe (the seed aside; whole, or from one shared model)
+    that scored that stage, and their pooled evaluation: draws of one arm, where one draw's distance from another arm
+    is as noisy as the draws."""
     members: dict[tuple[str, str], list[tuple[str, Evaluation]]] = {}
     for run in runs:
         for e in run.evaluations:
@@ -207,9 +213,10 @@ def first_arm_pool(first: Run, stage: str, key: str, draws_of_arms: dict) -> str
 
 
 def _unlike(a: dict, b: dict) -> int:
-    """How many settings two lineages differ in, nested settings counted one by one."""
+    """How many of the settings both lineages name they differ in, nested settings counted one by one: a lineage
+    from a borrowed start names no settings of the stages before it, which say nothing about the stages after."""
     a, b = _leaves(a), _leaves(b)
-    return sum(n not in a or n not in b or a[n] != b[n] for n in a.keys() | b.keys())
+    return sum(a[n] != b[n] for n in a.keys() & b.keys())
 
 
 def _leaves(settings: dict, prefix: str = "") -> dict:
@@ -233,8 +240,8 @@ def markdown(runs: list[Run]) -> str:
         cells = [pooled_cell(e, b) if b in e.benchmarks else "" for b in benchmarks]
         lines.append(f"| mean of {', '.join(labels)}, {stage} | " + " | ".join(cells) + " |")
     lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks"
-              + ("; a mean of runs: each problem's accuracy averaged over whole runs of one recipe (the seed aside), "
-                 "its interval from the problems" if draws_of_arms else "") + ".", ""]
+              + ("; a mean of runs: each problem's accuracy averaged over runs of one recipe (the seed aside; whole, "
+                 "or from one shared model), its interval from the problems" if draws_of_arms else "") + ".", ""]
     pairs = [(f"{run.label}: {earlier.stage} -> {later.stage}", earlier, later)
              for run in runs for earlier, later in zip(run.evaluations, run.evaluations[1:])]
     pairs += [(f"{run.label} - {runs[0].label}, {e.stage}", first, e) for run in runs[1:] for e in run.evaluations
@@ -276,7 +283,7 @@ def markdown(runs: list[Run]) -> str:
     if tables:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
                   "a run started from another run's model against that model, the mean of runs that differ in "
-                  "the seed alone against the model they started from, and the mean of whole runs of one recipe "
+                  "the seed alone against the model they started from, and the mean of runs of one recipe "
                   "against the first run's arm's draws of the most alike settings, on the same problems: the mean "
                   "change of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
                   "evaluations kept each problem's boxed answers' accuracy.", ""]

@@ -354,7 +354,8 @@ def test_compare_pools_the_draws_of_one_variant_against_the_model_they_started_f
 def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
     """Whole runs of one recipe (the seed aside) are draws of one arm: compare gives each stage their pooled row and
     pairs it with the first run's arm's draws of the most alike settings; a run with other settings alone, or whose
-    model came from another run (--checkpoint), stays out."""
+    model came from another run (--checkpoint), stays out of them. Runs of one recipe from one shared model (a
+    sweep's --shared align) pool with each other, and the other arm's draws of their settings meet them."""
     import random
 
     import yaml
@@ -389,8 +390,13 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
     run("s5", 0.2, 6, align=False), run("s6", 0.2, 7, align=False)
     # both arms drawn twice more with 3 epochs: the Transformer's pool meets SSE-H's of 3 epochs, not of 2
     run("s7", 0.2, 8, epochs=3), run("t3", 0.4, 9, epochs=3), run("t4", 0.4, 10, epochs=3)
-    text = markdown([read_run(n, tmp_path / n) for n in ("s1", "s2", "s3", "s4", "s5", "s6", "s7", "t1", "t2",
-                                                         "t3", "t4")])
+    # SSE-H drawn twice with 4 epochs from s1's alignment (the Transformer has none to share), the Transformer twice
+    # whole: its pool meets those two, whose settings named on both sides are its own, not s1 and s2
+    shared = f"{tmp_path}/s1/align/final [0]"
+    run("s8", 0.2, 11, epochs=4, borrowed=shared), run("s9", 0.2, 12, epochs=4, borrowed=shared)
+    run("t5", 0.4, 13, epochs=4), run("t6", 0.4, 14, epochs=4)
+    text = markdown([read_run(n, tmp_path / n) for n in ("s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9",
+                                                         "t1", "t2", "t3", "t4", "t5", "t6")])
     s_mean = sum(s1[k] + s2[k] for k in s1) / (2 * len(s1))
     assert f"| mean of s1, s2, after distillation | {100 * s_mean:.1f} (" in text
     # the answers' style of a pool: the draws' mean length (10 and 20 tokens), as a run's cell gives its own
@@ -403,14 +409,17 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                    for d in (s1, s2)]
     assert [p["id"] for p in pooled("after distillation", evaluations).benchmarks["gsm8k"]["per_problem"]] == \
         list(s1), "the problems in the draws' order: the same command gives the same intervals"
-    # s3 and s7 trained 3 epochs; the models of s4 (a --checkpoint), s5 and s6 (align left out, no record) came
-    # from elsewhere
+    # s3 and s7 trained 3 epochs; the models of s4 (a --checkpoint of its own), s5 and s6 (align left out, no
+    # record) came from elsewhere
     pooled_rows = {line.split(" | ")[0] for line in text.splitlines() if line.startswith("| mean of")}
     assert pooled_rows == {"| mean of s1, s2, after distillation", "| mean of t1, t2, after distillation",
                            "| mean of s3, s7, after distillation", "| mean of t3, t4, after distillation",
+                           "| mean of s8, s9, after distillation", "| mean of t5, t6, after distillation",
                            "| mean of t1, t2 - mean of s1, s2, after distillation",
                            "| mean of s3, s7 - mean of s1, s2, after distillation",
-                           "| mean of t3, t4 - mean of s3, s7, after distillation"}
+                           "| mean of t3, t4 - mean of s3, s7, after distillation",
+                           "| mean of s8, s9 - mean of s1, s2, after distillation",
+                           "| mean of t5, t6 - mean of s8, s9, after distillation"}
 
 
 def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
