@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
+    """Writes through a temporary file of the same folder, then renames it over ``path``: a reader never sees half a
+    file. The file gets the mode an ordinary write would (the umask's), not mkstemp's owner-only one, so the other
+    users of a shared cluster read the reports."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as handle:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "xb") as handle:
         handle.write(data.encode() if isinstance(data, str) else data)
         handle.flush()
         os.fsync(handle.fileno())

@@ -422,6 +422,24 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                            "| mean of t5, t6 - mean of s8, s9, after distillation"}
 
 
+def test_reports_are_written_whole_and_readable_by_the_other_users(tmp_path):
+    """atomic_write renames a finished temporary file over the report, and the report gets the mode an ordinary
+    write would: other users of a shared cluster read summaries and tables (mkstemp's files are the owner's alone)."""
+    import os
+
+    from eval.report import atomic_write
+
+    path = tmp_path / "eval" / "summary.json"
+    mask = os.umask(0o022)
+    try:
+        atomic_write(path, "{}")
+        atomic_write(path, b'{"again": 1}')
+    finally:
+        os.umask(mask)
+    assert path.read_text() == '{"again": 1}' and path.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in path.parent.iterdir()] == ["summary.json"]  # no temporary file left
+
+
 def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
     """Problems of every difficulty, 30 of 100 one sample better after: the two models' intervals overlap, the
     paired interval of the change lies above zero."""
