@@ -372,6 +372,8 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 if group is not None:
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
+            from .stages.evaluate import scored_already
+
             generator = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_Generator)
             one_model_each = recipe.eval.backend == "engine" and recipe.eval.engine.backend == "vllm"  # one engine a process
             score = ray.remote(num_cpus=1)(_score_task)
@@ -380,13 +382,16 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 for name in recipe.eval.models:
                     model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
                     model_dir = str(stage_dir if name == "last" else stage_dir / name)
+                    location = str(_stored(recipe, model, "eval"))
+                    if scored_already(Path(model_dir), location):
+                        logger.info("eval: %s: scored already (%s/summary.json), skipping", name, model_dir)
+                        continue
                     began = time.time()
                     if worker is None or one_model_each:
                         if worker is not None:
                             ray.kill(worker)
                         worker = generator.remote()
-                    node, served = ray.get(worker.generate.remote(recipe, model_dir, str(_stored(recipe, model, "eval")),
-                                                                  where["eval_gpus"]))
+                    node, served = ray.get(worker.generate.remote(recipe, model_dir, location, where["eval_gpus"]))
                     logger.info("eval: %s: generations in %.0f s (loading and engine included; the worker's model %d)",
                                 name, time.time() - began, served)
                     on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's

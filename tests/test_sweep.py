@@ -61,6 +61,18 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     assert "| fast | distill | " in table and "| slow | last | " in table
     assert "boxed alone)" in table  # each cell as the compare table writes it
     assert table in capsys.readouterr().out
+    # the same command again (after variants stopped for memory, or the machine's end): every finished stage of
+    # every variant is skipped, and the table is the same runs' again
+    assert main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "slow", "distill.learning_rate=1e-5",
+                 "--variant", "fast", "--parallel", "2"]) == 0
+    for name in ("slow", "fast"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert all(f"{stage}: done, skipping" in log for stage in ("distill", "grpo", "eval")), log[-2000:]
+        assert "eval: last: scored already" in log and "eval: distill: scored already" in log
+        assert "generations in" not in log  # no model loaded, no engine started, nothing scored again
+    again = json.loads((tmp_path / "sweep.json").read_text())["variants"]
+    assert {n: (v["distill"], v["eval"]) for n, v in again.items()} == \
+        {n: (v["distill"], v["eval"]) for n, v in result.items()}  # the summaries as they were, timings included
 
 
 @pytest.mark.parametrize("parallel", [1, 3])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -99,6 +100,18 @@ def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus
     store = _shard_store(recipe, workers, model_id(str(checkpoint)))
     if store is not None:  # every worker's shards, wherever it ran
         get_files(store, out_dir / "generations")
+
+
+def scored_already(out_dir: Path, location: str) -> bool:
+    """Whether ``out_dir`` holds the summary of this very model (its location's identity, fingerprint included):
+    a re-run skips it rather than load the model, start an engine and score again. Changed evaluation settings
+    moved the folder aside before this is asked (:func:`pipeline.run.prepare_stage`); another model, or the same
+    path retrained, has another identity."""
+    summary = Path(out_dir) / "summary.json"
+    try:
+        return json.loads(summary.read_text()).get("model") == model_id(location)
+    except (OSError, ValueError):  # none yet, or half a file from before atomic writes
+        return False
 
 
 def score_all(recipe: Recipe, out_dir: Path) -> dict:
