@@ -372,7 +372,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 if group is not None:
                     ray.util.remove_placement_group(group)
         elif stage == "eval":
-            from .stages.evaluate import scored_already
+            from .stages.evaluate import generated_already
 
             generator = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_Generator)
             one_model_each = recipe.eval.backend == "engine" and recipe.eval.engine.backend == "vllm"  # one engine a process
@@ -383,17 +383,19 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                     model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
                     model_dir = str(stage_dir if name == "last" else stage_dir / name)
                     location = str(_stored(recipe, model, "eval"))
-                    if scored_already(Path(model_dir), location):
-                        logger.info("eval: %s: scored already (%s/summary.json), skipping", name, model_dir)
-                        continue
-                    began = time.time()
-                    if worker is None or one_model_each:
-                        if worker is not None:
-                            ray.kill(worker)
-                        worker = generator.remote()
-                    node, served = ray.get(worker.generate.remote(recipe, model_dir, location, where["eval_gpus"]))
-                    logger.info("eval: %s: generations in %.0f s (loading and engine included; the worker's model %d)",
-                                name, time.time() - began, served)
+                    if generated_already(Path(model_dir), location):  # a re-run: scored again, nothing generated
+                        logger.info("eval: %s: every generation of this model is in %s, scoring them again", name,
+                                    model_dir)
+                        node = ray.get_runtime_context().get_node_id()  # where this driver read them
+                    else:
+                        began = time.time()
+                        if worker is None or one_model_each:
+                            if worker is not None:
+                                ray.kill(worker)
+                            worker = generator.remote()
+                        node, served = ray.get(worker.generate.remote(recipe, model_dir, location, where["eval_gpus"]))
+                        logger.info("eval: %s: generations in %.0f s (loading and engine included; the worker's model "
+                                    "%d)", name, time.time() - began, served)
                     on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
                     scoring.append(score.options(scheduling_strategy=on_node).remote(recipe, model_dir))
             finally:

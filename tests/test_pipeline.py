@@ -620,29 +620,29 @@ def test_a_stage_run_alone_starts_from_the_last_finished_stage(tmp_path):
     assert starting_model(load_recipe("demo", ["distill.enabled=false"]), tmp_path, ("grpo",)) is None
 
 
-def test_an_evaluation_is_skipped_only_for_the_very_model_it_scored(tmp_path):
-    """A re-run skips a model whose summary names it (its fingerprint); the same path retrained, another model,
-    no summary or half of one, and it is evaluated again."""
+def test_generations_are_reused_only_for_the_very_model_that_made_them(tmp_path):
+    """A re-run generates nothing for a model whose summary names it (its fingerprint); the same path retrained,
+    another model, no summary or half of one, and it generates again."""
     import json
     import os
 
-    from pipeline.stages.evaluate import model_id, scored_already
+    from pipeline.stages.evaluate import generated_already, model_id
 
     model, out = tmp_path / "distill" / "final", tmp_path / "eval" / "distill"
     model.mkdir(parents=True), out.mkdir(parents=True)
     (model / "model.safetensors").write_bytes(b"weights")
-    assert not scored_already(out, str(model))  # nothing scored yet
+    assert not generated_already(out, str(model))  # nothing scored yet
     (out / "summary.json").write_text(json.dumps({"model": model_id(str(model)), "benchmarks": {}}))
-    assert scored_already(out, str(model))
+    assert generated_already(out, str(model))
     other = tmp_path / "grpo" / "final"
     other.mkdir(parents=True)
     (other / "model.safetensors").write_bytes(b"weights")
-    assert not scored_already(out, str(other))
+    assert not generated_already(out, str(other))
     stat = (model / "model.safetensors").stat()  # retrained at the same path: the fingerprint moves
     os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    assert not scored_already(out, str(model))
+    assert not generated_already(out, str(model))
     (out / "summary.json").write_text('{"model": ')
-    assert not scored_already(out, str(model))
+    assert not generated_already(out, str(model))
 
 
 def test_what_the_machine_must_offer_is_checked_before_anything_starts(tmp_path, monkeypatch):

@@ -18,8 +18,8 @@ keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; `
 ``OUT/sweep.json`` hold, per variant, its overrides, wall time, the last logged distillation metrics, GRPO's reward
 and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
 boxed answers and their accuracy alone. Variants that stopped (out of GPU memory with too many side by side, or the
-machine gone) run again by the same command with a lower ``--parallel``: every finished stage of every variant,
-and each evaluation of the very model it scored, is skipped, and the table covers them all again.
+machine gone) run again by the same command with a lower ``--parallel``: every finished stage of every variant is
+skipped (an evaluation scores its model's generations again, generating nothing), and the table covers them all.
 """
 
 from __future__ import annotations

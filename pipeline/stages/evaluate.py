@@ -102,9 +102,10 @@ def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus
         get_files(store, out_dir / "generations")
 
 
-def scored_already(out_dir: Path, location: str) -> bool:
-    """Whether ``out_dir`` holds the summary of this very model (its location's identity, fingerprint included):
-    a re-run skips it rather than load the model, start an engine and score again. Changed evaluation settings
+def generated_already(out_dir: Path, location: str) -> bool:
+    """Whether ``out_dir`` holds every generation of this very model: its summary, written once they were all
+    scored, names the model (its location's identity, fingerprint included). A re-run then scores them again (CPU
+    only, so a grader's fix applies) without loading the model or starting an engine. Changed evaluation settings
     moved the folder aside before this is asked (:func:`pipeline.run.prepare_stage`); another model, or the same
     path retrained, has another identity."""
     summary = Path(out_dir) / "summary.json"
