@@ -22,6 +22,31 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
+def summary_json(summary: dict, indent: int = 2) -> str:
+    """``summary`` as JSON with each flat record (a problem's entry, an interval, pass@k) on one line and the rest
+    indented: a summary of a few thousand problems stays a file one reads and diffs line by line, at about half the
+    bytes of ``json.dumps(indent=...)``, which puts every field of every problem on its own line."""
+
+    def scalar(value) -> bool:
+        return not isinstance(value, (dict, list))
+
+    def flat(value) -> bool:  # scalars, and lists of scalars (a problem's answers), all on one line
+        children = value.values() if isinstance(value, dict) else value
+        return all(scalar(c) or (isinstance(c, list) and all(map(scalar, c))) for c in children)
+
+    def dump(value, depth: int) -> str:
+        if scalar(value) or flat(value):
+            return json.dumps(value, default=float)
+        pad, inner = " " * (indent * depth), " " * (indent * (depth + 1))
+        if isinstance(value, dict):
+            items = [f"{inner}{json.dumps(str(k))}: {dump(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
+        items = [f"{inner}{dump(v, depth + 1)}" for v in value]
+        return "[\n" + ",\n".join(items) + f"\n{pad}]" if items else "[]"
+
+    return dump(summary, 0) + "\n"
+
+
 def _percent(rate: float | None) -> str:
     return "" if rate is None else f"{100 * rate:.0f}%"
 
@@ -126,6 +151,6 @@ def plot(summary: dict, path: Path) -> None:
 
 def write_reports(summary: dict, output_dir: Path) -> None:
     output_dir = Path(output_dir)
-    atomic_write(output_dir / "summary.json", json.dumps(summary, indent=2, default=float))
+    atomic_write(output_dir / "summary.json", summary_json(summary))
     atomic_write(output_dir / "results.md", markdown_table(summary))
     plot(summary, output_dir / "results.png")

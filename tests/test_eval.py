@@ -128,7 +128,12 @@ def test_end_to_end_eval_resumes(tmp_path):
         metrics = summary["benchmarks"][name]
         assert metrics["repeats"] == 3 and 0.0 <= metrics["avg@3"] <= 1.0
         assert metrics["max_length"] <= 6
-    assert json.loads((tmp_path / "summary.json").read_text())["benchmarks"].keys() == {"aime24", "amc23"}
+    written = (tmp_path / "summary.json").read_text()
+    assert json.loads(written) == json.loads(json.dumps(summary, default=float))
+    lines = written.splitlines()
+    for name in ("aime24", "amc23"):  # each problem's record on its own line, its answers with it
+        for problem in summary["benchmarks"][name]["per_problem"]:
+            assert sum(f'"id": "{problem["id"]}"' in line and '"answers": [' in line for line in lines) == 1
     assert "| aime24 | 2 | 3 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 1000
 
@@ -438,6 +443,24 @@ def test_reports_are_written_whole_and_readable_by_the_other_users(tmp_path):
         os.umask(mask)
     assert path.read_text() == '{"again": 1}' and path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in path.parent.iterdir()] == ["summary.json"]  # no temporary file left
+
+
+def test_summaries_keep_each_record_on_one_line_and_read_back_equal():
+    """summary_json: flat records (a problem's entry with its answers, an interval, pass@k) on one line each, the
+    nesting above them indented; the text is JSON that reads back to the same summary, empty containers included."""
+    from eval.report import summary_json
+
+    summary = {"sampling": {"temperature": 0.7, "seed": 0}, "benchmarks": {"b": {
+        "avg@2": 0.25, "avg@2_ci95": [0.0, 0.5], "pass@k": {"1": 0.25, "2": 0.5}, "notes": {}, "none": [],
+        "per_problem": [{"id": "b-0", "accuracy": 0.5, "answers": ["1", None]},
+                        {"id": "b-1", "accuracy": 0.0, "answers": []}],
+        "nested": [[1, 2], {"deeper": {"x": [1]}}]}}}
+    text = summary_json(summary)
+    assert json.loads(text) == summary
+    lines = text.splitlines()
+    assert '        {"id": "b-0", "accuracy": 0.5, "answers": ["1", null]},' in lines
+    assert '      "avg@2_ci95": [0.0, 0.5],' in lines and '      "pass@k": {"1": 0.25, "2": 0.5},' in lines
+    assert lines[0] == "{" and lines[1] == '  "sampling": {"temperature": 0.7, "seed": 0},'
 
 
 def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
