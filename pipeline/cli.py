@@ -9,6 +9,7 @@
     sse-pipeline recipes                                the built-in recipes
     sse-pipeline models fetch smollm2-135m              download a known pretrained model into the local cache
     sse-pipeline compare sse=runs/a tf=runs/b           finished runs side by side (markdown table and plot)
+    sse-pipeline keep runs/a kept/a                     a finished run's results without its weights, for compare
     sse-pipeline loss smollm2-135m runs/x/align/final   assistant-token loss of models on worked solutions
 
 Re-running a command continues where it stopped: finished stages are skipped, an unfinished one resumes
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "GRPO curves, engine throughput (markdown + plot)")
     compare.add_argument("runs", nargs="+", help="run folders (output_dir), each optionally LABEL=FOLDER")
     compare.add_argument("--out", default="comparison", help="folder for compare.md and compare.png")
+    keep = commands.add_parser("keep", help="copy a finished run's results (recipes, reports, plots, metrics, "
+                                            "summaries) without its weights or generations, for compare")
+    keep.add_argument("run", help="the run folder (its output_dir)")
+    keep.add_argument("dest", help="a new folder for the kept files")
     loss = commands.add_parser("loss", help="assistant-token loss of models on worked solutions (conversion's yardstick)")
     loss.add_argument("models", nargs="+", help="model folders, GGUF files or known model names; the first is the "
                                                 "reference of the table's ratio column")
@@ -106,6 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "keep":
+        from .keep import keep as keep_run
+
+        try:
+            files = keep_run(args.run, args.dest)
+        except (OSError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        size = sum((Path(args.dest) / f).stat().st_size for f in files)
+        print(f"kept {len(files)} files ({size / 2**20:.1f} MiB) of {args.run} in {args.dest}")
         return 0
     if args.command == "recipes":
         for name, text in builtin_recipes():

@@ -476,3 +476,49 @@ def test_a_paired_change_sees_what_two_overlapping_intervals_hide():
     mean, low, high = paired_change(before, after | {"only-after": 1.0})  # a problem one side lacks is left out
     assert mean == pytest.approx(sum(after[k] - before[k] for k in before) / 100) and 0 < low < mean < high
     assert paired_change(before, {"other": 1.0}) is None
+
+
+def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tmp_path, capsys):
+    """``sse-pipeline keep``: a finished run (here a kept SmolLM2 run with a run's other outputs added back) kept
+    in a new folder reads in compare as the run does, without its weights, checkpoints, generations, event files,
+    outputs a --redo moved aside, or each problem's answers; a second keep into the same folder is refused."""
+    import shutil
+    from pathlib import Path
+
+    from pipeline.cli import main
+    from pipeline.compare import read_run
+    from pipeline.keep import without_answers
+
+    stored = Path(__file__).resolve().parents[1] / "docs" / "runs" / "2026-11-27f-smollm2-135m"
+    run = tmp_path / "runs" / "smollm2-135m"
+    shutil.copytree(stored, run)
+    summary_path = run / "eval" / "distill" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    for problem in summary["benchmarks"]["gsm8k"]["per_problem"]:
+        problem["answers"] = ["18", None, "3", "18"]
+    summary_path.write_text(json.dumps(summary, indent=2))
+    left = ["align/final/model.safetensors", "align/final/config.json", "initial/model.safetensors",
+            "distill/checkpoints/checkpoint-200/optimizer.pt", "eval/generations/gsm8k.jsonl",
+            "grpo/tensorboard/events.out.tfevents.1", "grpo/final/engines.json", "eval.replaced-1/summary.json"]
+    for name in left:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("{}")
+    dest = tmp_path / "kept" / "smollm2-135m"
+    assert main(["keep", str(run), str(dest)]) == 0
+    assert f"of {run} in {dest}" in capsys.readouterr().out
+    files = {p.relative_to(dest) for p in dest.rglob("*") if p.is_file()}
+    assert files == {p.relative_to(stored) for p in stored.rglob("*") if p.is_file()}
+    kept = json.loads((dest / "eval" / "distill" / "summary.json").read_text())
+    assert all("answers" not in p for p in kept["benchmarks"]["gsm8k"]["per_problem"])
+    assert kept["benchmarks"]["gsm8k"]["per_problem"] == [
+        {k: v for k, v in p.items() if k != "answers"} for p in summary["benchmarks"]["gsm8k"]["per_problem"]]
+    original, copy = read_run("a", run), read_run("a", dest)
+    assert [(e.stage, e.benchmarks, e.model) for e in copy.evaluations] == \
+        [(e.stage, without_answers({"benchmarks": e.benchmarks})["benchmarks"], e.model) for e in original.evaluations]
+    assert (copy.lineage, copy.starts, copy.curves, copy.state_bytes) == \
+        (original.lineage, original.starts, original.curves, original.state_bytes)
+    assert main(["keep", str(run), str(dest)]) == 2
+    assert f"{dest}: exists and is not an empty folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["keep", str(tmp_path / "empty"), str(tmp_path / "kept" / "empty")]) == 2
+    assert "nothing to keep" in capsys.readouterr().err and not (tmp_path / "kept" / "empty").exists()

@@ -1,0 +1,72 @@
+"""A finished run's results, kept after its machine is gone: ``sse-pipeline keep RUN DEST``.
+
+It copies what a reader and ``sse-pipeline compare`` need from a run folder (the recipes, the report, each
+stage's metrics and plots, the records of the model each stage started from, GRPO's engines, the evaluations'
+tables, plots and summaries) and none of the weights, checkpoints, generations or event files: a few MiB where the
+run holds gigabytes, small enough to bring back from a remote machine or to commit beside the write-up. Each
+problem's answers are dropped from the summaries (they are the generations' text again); each problem's accuracy
+stays, for compare's paired changes. DEST is written whole or not at all (a temporary folder renamed into place).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from fnmatch import fnmatch
+from pathlib import Path
+
+from eval.report import summary_json
+
+KEPT = ("recipe.yaml", "report.md", "metrics.jsonl", "started_from.json", "engines*.json", "results.md",
+        "summary.json", "*.png")
+LEFT = ("final", "checkpoints", "generations", "tensorboard")  # folders of weights, generations, event files
+
+
+def kept_files(run: Path) -> list[Path]:
+    """The files of ``run`` that ``keep`` copies, relative to it; outputs a ``--redo`` moved aside are left too."""
+    files = []
+    for path in sorted(Path(run).rglob("*")):
+        parts = path.relative_to(run).parts
+        if path.is_file() and not any(p in LEFT or ".replaced-" in p for p in parts[:-1]) \
+                and any(fnmatch(path.name, pattern) for pattern in KEPT):
+            files.append(Path(*parts))
+    return files
+
+
+def without_answers(summary: dict) -> dict:
+    for benchmark in summary.get("benchmarks", {}).values():
+        for problem in benchmark.get("per_problem", []):
+            problem.pop("answers", None)
+    return summary
+
+
+def keep(run: str | Path, dest: str | Path) -> list[Path]:
+    """Copies ``run``'s kept files into the new folder ``dest``; returns them, relative to ``dest``."""
+    run, dest = Path(run), Path(dest)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: no such run folder")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest}: exists and is not an empty folder; keep writes a new one")
+    files = kept_files(run)
+    if not files:
+        raise ValueError(f"{run}: nothing to keep (no recipe.yaml, report, metrics or summary.json); is it a run folder?")
+    tmp = dest.with_name(f".{dest.name}.keep-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel in files:
+        target = tmp / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if rel.name == "summary.json":
+            try:
+                summary = json.loads((run / rel).read_text())
+            except json.JSONDecodeError as err:
+                shutil.rmtree(tmp)
+                raise ValueError(f"{run / rel}: not JSON ({err})") from err
+            target.write_text(summary_json(without_answers(summary)))
+        else:
+            shutil.copy2(run / rel, target)
+    if dest.exists():
+        dest.rmdir()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dest)
+    return files
