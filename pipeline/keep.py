@@ -35,6 +35,7 @@ def kept_files(run: Path) -> list[Path]:
 
 
 def without_answers(summary: dict) -> dict:
+    """``summary`` with each problem's answers dropped in place (its accuracies stay, for paired changes)."""
     for benchmark in summary.get("benchmarks", {}).values():
         for problem in benchmark.get("per_problem", []):
             problem.pop("answers", None)
