@@ -35,14 +35,13 @@ def summary_json(summary: dict, indent: int = 2) -> str:
         return all(scalar(c) or (isinstance(c, list) and all(map(scalar, c))) for c in children)
 
     def dump(value, depth: int) -> str:
-        if scalar(value) or flat(value):
+        if scalar(value) or flat(value):  # empty containers too
             return json.dumps(value, default=float)
         pad, inner = " " * (indent * depth), " " * (indent * (depth + 1))
         if isinstance(value, dict):
             items = [f"{inner}{json.dumps(str(k))}: {dump(v, depth + 1)}" for k, v in value.items()]
-            return "{\n" + ",\n".join(items) + f"\n{pad}}}" if items else "{}"
-        items = [f"{inner}{dump(v, depth + 1)}" for v in value]
-        return "[\n" + ",\n".join(items) + f"\n{pad}]" if items else "[]"
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+        return "[\n" + ",\n".join(f"{inner}{dump(v, depth + 1)}" for v in value) + f"\n{pad}]"
 
     return dump(summary, 0) + "\n"
 

@@ -54,18 +54,21 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
         raise ValueError(f"{run}: nothing to keep (no recipe.yaml, report, metrics or summary.json); is it a run folder?")
     tmp = dest.with_name(f".{dest.name}.keep-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for rel in files:
-        target = tmp / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if rel.name == "summary.json":
-            try:
-                summary = json.loads((run / rel).read_text())
-            except json.JSONDecodeError as err:
-                shutil.rmtree(tmp)
-                raise ValueError(f"{run / rel}: not JSON ({err})") from err
-            target.write_text(summary_json(without_answers(summary)))
-        else:
-            shutil.copy2(run / rel, target)
+    try:
+        for rel in files:
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if rel.name == "summary.json":
+                try:
+                    summary = json.loads((run / rel).read_text())
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{run / rel}: not JSON ({err})") from err
+                target.write_text(summary_json(without_answers(summary)))
+            else:
+                shutil.copy2(run / rel, target)
+    except BaseException:  # nothing half-written is left beside dest
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if dest.exists():
         dest.rmdir()
     dest.parent.mkdir(parents=True, exist_ok=True)
