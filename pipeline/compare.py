@@ -107,7 +107,7 @@ def read_run(label: str, folder: Path) -> Run:
             run.starts[stage] = json.loads(record.read_text())["model"]
             if isinstance(resolved, dict):
                 run.variants[stage] = json.dumps(_settings(resolved, name), sort_keys=True, default=str)
-                if not run.starts[stage].startswith(str(resolved.get("output_dir", "")).rstrip("/") + "/"):
+                if not made_in(run.starts[stage], resolved.get("output_dir", "")):
                     borrowed[name] = run.starts[stage]
     if isinstance(resolved, dict):
         for stage, chain in CHAIN.items():
@@ -132,6 +132,17 @@ def read_run(label: str, folder: Path) -> Run:
     if engines.exists():
         run.state_bytes = next(iter(json.loads(engines.read_text())), {}).get("per_slot_bytes")
     return run
+
+
+def made_in(model: str, output_dir: str) -> bool:
+    """Whether a recorded model (its resolved path and fingerprint) lies in a run's own ``output_dir``. The records
+    hold resolved paths, so a relative ``output_dir`` (the recipes' own, ``runs/<name>``) is found as a run of the
+    path's folders below the directory the run started in; an absolute one must be the path's start."""
+    path, root = Path(model.rsplit(" [", 1)[0]), Path(output_dir)
+    if root.is_absolute():
+        return path != root and path.is_relative_to(root)
+    parts, n = path.parts, len(root.parts)
+    return any(parts[i:i + n] == root.parts for i in range(1, len(parts) - n))
 
 
 def _settings(resolved: dict, stage: str) -> dict:

@@ -427,6 +427,43 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                            "| mean of t5, t6 - mean of s8, s9, after distillation"}
 
 
+def test_compare_pools_whole_runs_whose_recipes_name_a_relative_output_dir(tmp_path):
+    """The recipes write to ``runs/<name>``, relative to where a run starts, and a stage records the resolved path of
+    the model it started from: two whole runs of one recipe are still draws of one arm at every stage (they were
+    pooled only up to the first stage with a record), and a run whose start lies in another run's folder is not."""
+    import yaml
+
+    from eval.metrics import summarize
+    from eval.report import write_reports
+    from pipeline.compare import made_in, markdown, read_run
+
+    assert made_in("/work/repo/runs/sse/align/final [ab12]", "runs/sse")
+    assert made_in("/tmp/runs/sse/initial [ab12]", "/tmp/runs/sse")
+    assert not made_in("/work/repo/runs/sse/align/final [ab12]", "runs/sse-grpo")
+    assert not made_in("/work/repo/runs/sse [ab12]", "runs/sse")
+    assert not made_in("/tmp/runs/sse-2/align/final [ab12]", "/tmp/runs/sse")
+
+    def run(name, seed, output_dir, start):
+        folder = tmp_path / name
+        correct = [(i + seed) % 3 == 0 for i in range(30)]
+        gsm8k = summarize([{"correct": [c], "clusters": [0], "lengths": [10], "truncated": [False]} for c in correct])
+        gsm8k["per_problem"] = [{"id": f"p{i}", "accuracy": float(c)} for i, c in enumerate(correct)]
+        write_reports({"benchmarks": {"gsm8k": gsm8k}, "model": f"/work/repo/{output_dir}/distill/final [{seed}]"},
+                      folder / "eval" / "distill")
+        (folder / "distill").mkdir()
+        (folder / "distill" / "started_from.json").write_text(json.dumps({"model": start}))
+        (folder / "recipe.yaml").write_text(yaml.safe_dump({
+            "seed": seed, "output_dir": output_dir, "model": {"mixer": "sse"}, "align": {"steps": 300},
+            "distill": {"epochs": 4}, "eval": {"repeats": 1}}))
+
+    run("a", 0, "runs/sse", "/work/repo/runs/sse/align/final [a0]")
+    run("b", 1, "runs/sse", "/other/checkout/runs/sse/align/final [b1]")
+    run("c", 2, "runs/sse-c", "/work/repo/runs/sse/align/final [a0]")  # --checkpoint: a's alignment
+    text = markdown([read_run(n, tmp_path / n) for n in "abc"])
+    pooled_rows = {line.split(" | ")[0] for line in text.splitlines() if line.startswith("| mean of")}
+    assert pooled_rows == {"| mean of a, b, after distillation"}, text
+
+
 def test_reports_are_written_whole_and_readable_by_the_other_users(tmp_path):
     """atomic_write renames a finished temporary file over the report, and the report gets the mode an ordinary
     write would: other users of a shared cluster read summaries and tables (mkstemp's files are the owner's alone)."""
