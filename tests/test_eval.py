@@ -443,7 +443,7 @@ def test_compare_pools_whole_runs_whose_recipes_name_a_relative_output_dir(tmp_p
     assert not made_in("/work/repo/runs/sse [ab12]", "runs/sse")
     assert not made_in("/tmp/runs/sse-2/align/final [ab12]", "/tmp/runs/sse")
 
-    def run(name, seed, output_dir, start):
+    def run(name, seed, output_dir, start, evaluation=None):
         folder = tmp_path / name
         correct = [(i + seed) % 3 == 0 for i in range(30)]
         gsm8k = summarize([{"correct": [c], "clusters": [0], "lengths": [10], "truncated": [False]} for c in correct])
@@ -454,14 +454,18 @@ def test_compare_pools_whole_runs_whose_recipes_name_a_relative_output_dir(tmp_p
         (folder / "distill" / "started_from.json").write_text(json.dumps({"model": start}))
         (folder / "recipe.yaml").write_text(yaml.safe_dump({
             "seed": seed, "output_dir": output_dir, "model": {"mixer": "sse"}, "align": {"steps": 300},
-            "distill": {"epochs": 4}, "eval": {"repeats": 1}}))
+            "distill": {"epochs": 4}, "eval": evaluation or {"repeats": 1, "models": ["last", "distill"]}}))
 
     run("a", 0, "runs/sse", "/work/repo/runs/sse/align/final [a0]")
     run("b", 1, "runs/sse", "/other/checkout/runs/sse/align/final [b1]")
     run("c", 2, "runs/sse-c", "/work/repo/runs/sse/align/final [a0]")  # --checkpoint: a's alignment
-    text = markdown([read_run(n, tmp_path / n) for n in "abc"])
+    # another draw that scored fewer models on a smaller engine: its distilled model's evaluation is the same
+    run("d", 3, "runs/sse", "/work/repo/runs/sse/align/final [d3]",
+        {"repeats": 1, "models": ["distill"], "engine": {"max_slots": 64}})
+    run("e", 4, "runs/sse", "/work/repo/runs/sse/align/final [e4]", {"repeats": 2})  # another evaluation
+    text = markdown([read_run(n, tmp_path / n) for n in "abcde"])
     pooled_rows = {line.split(" | ")[0] for line in text.splitlines() if line.startswith("| mean of")}
-    assert pooled_rows == {"| mean of a, b, after distillation"}, text
+    assert pooled_rows == {"| mean of a, b, d, after distillation"}, text
 
 
 def test_reports_are_written_whole_and_readable_by_the_other_users(tmp_path):

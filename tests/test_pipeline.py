@@ -341,6 +341,13 @@ def test_a_rerun_with_changed_settings_is_refused_or_redone(tmp_path, caplog):
     operational = recipe_to_dict(load_recipe("demo", [f"output_dir={tmp_path}", "grpo.max_engine_restarts=0"]))
     del before["grpo"]["max_engine_restarts"]  # a run recorded before the key existed
     assert changed_settings("grpo", before, operational) == []  # how a stage runs, not what it computes
+    # an engine's capacity is the GPU's (an evaluation resumed on a smaller one); its backend and dtype are not
+    smaller = recipe_to_dict(load_recipe("demo", [f"output_dir={tmp_path}", "eval.engine.max_slots=8",
+                                                  "eval.engine.memory_budget_gb=2", "grpo.engine.prefill_chunk_size=64"]))
+    assert changed_settings("eval", recipe_to_dict(recipe), smaller) == []
+    assert changed_settings("grpo", recipe_to_dict(recipe), smaller) == []
+    other = recipe_to_dict(load_recipe("demo", [f"output_dir={tmp_path}", "eval.engine.dtype=float32"]))
+    assert changed_settings("eval", recipe_to_dict(recipe), other) == ["eval.engine.dtype: None -> 'float32'"]
 
     changed = load_recipe("demo", [f"output_dir={tmp_path}", "distill.learning_rate=0.5", "seed=3"])
     with pytest.raises(StageSettingsChanged, match=r"distill: settings changed.*distill.learning_rate: .* -> 0.5"
