@@ -146,9 +146,8 @@ def made_in(model: str, output_dir: str) -> bool:
 
 
 def _settings(resolved: dict, stage: str) -> dict:
-    """A stage's settings but the seed and the list of models an evaluation stage scores (each evaluation is the
-    same whatever else it scores): what runs that are draws of one variant share."""
-    return {k: v for k, v in stage_settings(resolved, stage).items() if k not in ("seed", "eval.models")}
+    """A stage's settings but the seed: what runs that are draws of one variant share."""
+    return {k: v for k, v in stage_settings(resolved, stage).items() if k != "seed"}
 
 
 def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float] | None:

@@ -269,14 +269,15 @@ STAGE_SETTINGS = {
     "grpo": ("model", "grpo", "seed", "prompt_instruction", "precision"),
     "eval": ("eval", "seed", "prompt_instruction"),
 }
-# settings of where and on how many processes a stage runs, and of what an engine holds at once and how it
-# schedules: changing them never refuses a re-run, so that a stage resumes on another number of workers or a GPU
-# of another size (the same steps; GRPO's samples are seeded per worker, each request's draws by its own seed,
-# pipeline/rollout/sampling.py, whatever else runs beside it)
+# settings of where and on how many processes a stage runs, of what an engine holds at once and how it schedules,
+# and of which models the evaluation scores: changing them never refuses a re-run, so that a stage resumes on
+# another number of workers or a GPU of another size (the same steps; GRPO's samples are seeded per worker, each
+# request's draws by its own seed, pipeline/rollout/sampling.py, whatever else runs beside it), and a model added to
+# eval.models is evaluated beside the ones scored already (each model's generations in a folder of its own)
 ENGINE_CAPACITY = ("max_slots", "memory_budget_gb", "prefill_chunk_size", "block_size", "use_cuda_graphs", "overlap",
                    "sleep", "refill_fraction")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
-               "grpo.num_workers", "distill.num_workers",
+               "grpo.num_workers", "distill.num_workers", "eval.models",
                *(f"{stage}.engine.{key}" for stage in ("grpo", "eval") for key in ENGINE_CAPACITY))
 
 

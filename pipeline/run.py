@@ -46,6 +46,12 @@ def changed_settings(stage: str, before: dict, now: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
+def eval_dir(stage_dir: Path, name: str) -> Path:
+    """Where the evaluation stage writes the evaluation of ``eval.models`` entry ``name``: the last model's in the
+    stage's folder, each other model's in a folder of its name."""
+    return stage_dir if name == "last" else stage_dir / name
+
+
 def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bool:
     """Says what a re-run does with ``stage`` (starting, resuming, done) and keeps the recipe it runs with in
     ``stage_dir/recipe.yaml``; if settings of a stage that already ran changed, refuses with the list, or with
@@ -67,7 +73,9 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
                 set_aside(recipe.stored_at(stage), suffix)
             fresh = True
             logger.warning("%s: running again; the previous outputs are in %s", stage, aside)
-    if is_done(stage_dir / "final") or (stage == "eval" and (stage_dir / "summary.json").exists()):
+    scored = stage == "eval" and all((eval_dir(stage_dir, name) / "summary.json").exists()
+                                     for name in recipe.eval.models)
+    if is_done(stage_dir / "final") or scored:
         logger.info("%s: done, skipping", stage)
     else:
         resume = latest_complete_checkpoint(stage_dir / "checkpoints")
@@ -381,7 +389,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
             try:
                 for name in recipe.eval.models:
                     model = (current or initial_checkpoint(recipe, out)) if name == "last" else _stage_model(recipe, out, name)
-                    model_dir = str(stage_dir if name == "last" else stage_dir / name)
+                    model_dir = str(eval_dir(stage_dir, name))
                     location = str(_stored(recipe, model, "eval"))
                     if generated_already(Path(model_dir), location):  # a re-run: scored again, nothing generated
                         logger.info("eval: %s: every generation of this model is in %s, scoring them again", name,
@@ -464,7 +472,7 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
         if stage == "eval":
             parts = []
             for name in recipe.eval.models:  # the last model's scores, then those of the other models scored
-                summary_file = (stage_dir if name == "last" else stage_dir / name) / "summary.json"
+                summary_file = eval_dir(stage_dir, name) / "summary.json"
                 if summary_file.exists():
                     text = _scores(json.loads(summary_file.read_text())["benchmarks"])
                     parts.append(text if name == "last" else f"{name}: {text}")

@@ -189,7 +189,7 @@ def test_an_unpacked_gguf_keeps_the_files_special_tokens_whatever_the_loader_rea
 def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path, caplog):
     """The converted model's path: align (checkpointed, per-layer losses logged and plotted), distillation with the
     teacher's logits, GRPO, the evaluation of three of its models by one generation worker; re-running finds every
-    stage done."""
+    stage done, and a re-run that adds a model to eval.models evaluates that one alone."""
     import json
     import logging
 
@@ -198,14 +198,15 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
 
     path, _ = llama_gguf
     run = tmp_path / "run"
-    recipe = load_recipe("demo", [
+    recipe_overrides = [
         f"output_dir={run}", "model.preset=null", "model.tokenizer=null", f"model.convert_from={path}",
         "align.steps=4", "align.save_steps=2", "align.batch_size=2", "align.max_length=256", "align.logging_steps=2",
         "distill.max_steps=3", "distill.data.max_samples=64", "distill.batch_size=8", "distill.teacher_kl=0.5",
         "distill.logging_steps=1",
         "grpo.steps=2", "grpo.prompts_per_batch=2", "grpo.num_generations=4", "grpo.max_completion_length=16",
         "grpo.dynamic_sampling=false", "eval.benchmarks=[gsm8k]", "eval.limit=2", "eval.repeats=1",
-        "eval.max_new_tokens=8", "eval.models=[last,initial,align]"])
+        "eval.max_new_tokens=8"]
+    recipe = load_recipe("demo", [*recipe_overrides, "eval.models=[last,initial,align]"])
     with caplog.at_level(logging.INFO, logger="pipeline.run"):
         run_recipe(recipe, ("align", "distill", "grpo", "eval"))
     served = [line for line in caplog.messages if "generations in" in line]
@@ -225,6 +226,13 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
 
     scored = {e.stage for e in read_run("sse", run).evaluations}
     assert scored == {"before training", "after alignment", "after GRPO"}, scored
+    # a model added to eval.models: the re-run is not refused, and only that model is generated for
+    more = load_recipe("demo", [*recipe_overrides, "eval.models=[last,initial,align,distill]"])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline.run"):
+        report = run_recipe(more, ("eval",))
+    assert [line.split()[1] for line in caplog.messages if "generations in" in line] == ["distill:"], caplog.messages
+    assert "distill: gsm8k avg@1" in report.read_text() and (run / "eval" / "distill" / "summary.json").exists()
     from pipeline.cli import main
 
     table = run / "loss.md"
