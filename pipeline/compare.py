@@ -137,12 +137,12 @@ def read_run(label: str, folder: Path) -> Run:
 def made_in(model: str, output_dir: str) -> bool:
     """Whether a recorded model (its resolved path and fingerprint) lies in a run's own ``output_dir``. The records
     hold resolved paths, so a relative ``output_dir`` (the recipes' own, ``runs/<name>``) is found as a run of the
-    path's folders below the directory the run started in; an absolute one must be the path's start."""
+    path's folders with a folder of the run's below it; an absolute one must be the path's start."""
     path, root = Path(model.rsplit(" [", 1)[0]), Path(output_dir)
     if root.is_absolute():
         return path != root and path.is_relative_to(root)
     parts, n = path.parts, len(root.parts)
-    return any(parts[i:i + n] == root.parts for i in range(1, len(parts) - n))
+    return any(parts[i:i + n] == root.parts for i in range(len(parts) - n))
 
 
 def _settings(resolved: dict, stage: str) -> dict:
