@@ -10,7 +10,8 @@ the floor they tell a model that answers from noise read by the fallback, and a 
 asked format). A second table
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
 stage, and a run whose training started from another run's model (``<stage>/started_from.json``, e.g. GRPO variants
-from one distilled model) against that model's evaluation, and the mean of runs whose recipes differ in the seed
+from one distilled model) against that model's evaluation, one model scored by two runs whose evaluations differ
+(``eval.engine.backend=vllm`` on another run's checkpoint) against itself, and the mean of runs whose recipes differ in the seed
 alone (draws of one variant from one model) against it, paired over the same problems where the summaries kept
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
 separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside),
@@ -70,6 +71,9 @@ class Run:
     # stage -> the settings that made and scored its model, the seed aside, where the run made it from its own
     # earlier stages: whole runs of one recipe are draws of one arm, pooled stage by stage
     lineage: dict[str, str] = field(default_factory=dict)
+    # the evaluation's settings, the seed aside: one model scored with other settings (another engine backend) is
+    # paired with itself, which measures the evaluation rather than the model
+    evaluated_with: str | None = None
 
 
 def stage_of(model: str, where: Path, run: Path) -> str:
@@ -110,6 +114,7 @@ def read_run(label: str, folder: Path) -> Run:
                 if not made_in(run.starts[stage], resolved.get("output_dir", "")):
                     borrowed[name] = run.starts[stage]
     if isinstance(resolved, dict):
+        run.evaluated_with = json.dumps(_settings(resolved, "eval"), sort_keys=True, default=str)
         for stage, chain in CHAIN.items():
             # a borrowed start: the lineage names that model and the stages from it on (draws from one shared
             # model pool with each other, not with whole runs); a stage left out with no record means its model
@@ -143,6 +148,11 @@ def made_in(model: str, output_dir: str) -> bool:
         return path != root and path.is_relative_to(root)
     parts, n = path.parts, len(root.parts)
     return any(parts[i:i + n] == root.parts for i in range(len(parts) - n))
+
+
+def fingerprint(model: str) -> str:
+    """The fingerprint an evaluation's ``model`` names after its path (``.../grpo/final [7d82308b1c95]``), or ""."""
+    return model.rsplit(" [", 1)[1].rstrip("]") if " [" in model else ""
 
 
 def _settings(resolved: dict, stage: str) -> dict:
@@ -261,6 +271,13 @@ def markdown(runs: list[Run]) -> str:
     pairs += [(f"{run.label}: {other.label}, {start.stage} -> {e.stage}", start, e) for run in runs
               for e in run.evaluations if e.stage in run.starts for other in runs if other is not run
               for start in other.evaluations if start.model and start.model == run.starts[e.stage]]
+    # one model (its fingerprint) scored by two runs whose evaluations differ (``eval.engine.backend=vllm`` on
+    # another run's checkpoint): what the evaluation changes; against the first run at its own stage it is above
+    pairs += [(f"{run.label} - {other.label}, {e.stage}, the same model", f, e) for i, other in enumerate(runs)
+              for run in runs[i + 1:] for e in run.evaluations for f in other.evaluations
+              if fingerprint(e.model) and fingerprint(e.model) == fingerprint(f.model)
+              and None not in (run.evaluated_with, other.evaluated_with) and run.evaluated_with != other.evaluated_with
+              and not (i == 0 and f.stage == e.stage)]
     # runs that differ in the seed alone, started from one model: the mean of their problems' accuracies against it
     draws: dict[tuple[str, str, str], list[tuple[str, Evaluation]]] = {}
     for run in runs:
@@ -293,7 +310,8 @@ def markdown(runs: list[Run]) -> str:
             tables += 1
     if tables:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
-                  "a run started from another run's model against that model, the mean of runs that differ in "
+                  "a run started from another run's model against that model, one model evaluated with other "
+                  "settings against itself, the mean of runs that differ in "
                   "the seed alone against the model they started from, and the mean of runs of one recipe "
                   "against the first run's arm's draws of the most alike settings, on the same problems: the mean "
                   "change of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "

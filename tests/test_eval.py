@@ -563,3 +563,44 @@ def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tm
     (tmp_path / "empty").mkdir()
     assert main(["keep", str(tmp_path / "empty"), str(tmp_path / "kept" / "empty")]) == 2
     assert "nothing to keep" in capsys.readouterr().err and not (tmp_path / "kept" / "empty").exists()
+
+
+def test_compare_pairs_one_model_scored_by_two_evaluations(tmp_path):
+    """A run that evaluated another run's checkpoint with other evaluation settings (``eval.engine.backend=vllm``)
+    is paired with that run's evaluation of the same model (by its fingerprint), problem by problem: what the
+    evaluation changes. The same model scored again with the same settings, or by the first run at its own stage
+    (already paired), gets no such row."""
+    import yaml
+
+    from eval.metrics import summarize
+    from eval.report import write_reports
+    from pipeline.compare import fingerprint, markdown, read_run
+
+    assert fingerprint("/tmp/repo/runs/sse/grpo/final [7d82308b1c95]") == "7d82308b1c95"
+    assert fingerprint("runs/sse/grpo/final") == ""
+
+    def run(name, model, backend, every):
+        folder = tmp_path / name
+        correct = [i % every == 0 for i in range(40)]
+        gsm8k = summarize([{"correct": [c], "clusters": [0], "lengths": [10], "truncated": [False]} for c in correct])
+        gsm8k["per_problem"] = [{"id": f"p{i}", "accuracy": float(c)} for i, c in enumerate(correct)]
+        write_reports({"benchmarks": {"gsm8k": gsm8k}, "model": model}, folder / "eval")
+        (folder / "recipe.yaml").write_text(yaml.safe_dump({
+            "seed": 0, "output_dir": f"runs/{name}", "model": {"mixer": "sse"},
+            "eval": {"repeats": 1, "backend": "engine", "engine": {"backend": backend}}}))
+        return {f"p{i}": float(c) for i, c in enumerate(correct)}
+
+    first = run("first", "/repo/runs/first/grpo/final [a1]", "sse", 2)
+    ours = run("ours", "/repo/runs/ours/grpo/final [f1]", "sse", 4)
+    vllm = run("vllm", "/repo/runs/ours/grpo/final [f1]", "vllm", 5)
+    run("again", "/repo/runs/ours/grpo/final [f1]", "sse", 4)
+    text = markdown([read_run(n, tmp_path / n) for n in ("first", "ours", "vllm", "again")])
+    change = sum(vllm[k] - ours[k] for k in ours) / len(ours)
+    assert f"| vllm - ours, after GRPO, the same model | {100 * change:+.1f} (" in text, text
+    assert "| again - ours, after GRPO, the same model |" not in text  # the same evaluation again
+    assert change < 0 and f"| again - vllm, after GRPO, the same model | {-100 * change:+.1f} (" in text
+    assert f"| vllm - first, after GRPO | {100 * sum(vllm[k] - first[k] for k in first) / 40:+.1f} (" in text
+    # the first run at its own stage is paired already, as every run is
+    text = markdown([read_run(n, tmp_path / n) for n in ("ours", "vllm")])
+    assert "the same model" not in text.split("| change |")[1].split("\n\n")[0]
+    assert f"| vllm - ours, after GRPO | {100 * change:+.1f} (" in text
