@@ -197,7 +197,7 @@ def precision_name(recipe, device: torch.device) -> str:
 
 def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict:
     """The training arguments distillation and GRPO share (TRL's ``SFTConfig`` / ``GRPOConfig`` keys): where
-    checkpoints and TensorBoard logs go, precision, seeds, checkpointing and logging cadence."""
+    checkpoints and TensorBoard logs go, precision, seeds and determinism, checkpointing and logging cadence."""
     # transformers' TensorBoard callback reads its folder from the environment (``logging_dir`` is deprecated)
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")
     return dict(
@@ -215,6 +215,7 @@ def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict
         report_to=["tensorboard"],
         seed=recipe.seed,
         data_seed=recipe.seed,
+        full_determinism=recipe.deterministic,
         dataloader_num_workers=0,
         disable_tqdm=in_ray_worker(),
     )

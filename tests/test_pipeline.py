@@ -724,3 +724,38 @@ def test_the_stage_error_is_the_one_reported(tmp_path, monkeypatch):
 
     assert is_write_error(RuntimeError("[enforce fail at inline_container.cc:664] PytorchStreamWriter failed"))
     assert is_write_error(OSError(28, "No space left on device")) and not is_write_error(ValueError("bad value"))
+
+
+def test_deterministic_recipes_train_with_deterministic_algorithms(tmp_path):
+    """``deterministic: true`` reaches the trainers as transformers' ``full_determinism``: building one turns on
+    PyTorch's deterministic algorithms (flash attention's backward among them, not deterministic by default on
+    GPUs). It changes no stage's settings, so a re-run may flip it, and it is off unless asked."""
+    import os
+
+    import torch
+
+    from pipeline.data import sft_dataset
+    from pipeline.models import TRAINING_DTYPE, load_model, resolve_device
+    from pipeline.recipe import recipe_to_dict, stage_settings
+    from pipeline.stages.distill import SSESFTTrainer, sft_config
+    from pipeline.stages.grpo import grpo_config
+
+    plain = load_recipe("demo", ["distill.data.max_samples=8", "distill.batch_size=4"])
+    recipe = load_recipe("demo", ["distill.data.max_samples=8", "distill.batch_size=4", "deterministic=true"])
+    assert not plain.deterministic and recipe.deterministic
+    for stage in ("align", "distill", "grpo"):
+        assert stage_settings(recipe_to_dict(recipe), stage) == stage_settings(recipe_to_dict(plain), stage)
+    cpu = resolve_device("cpu")
+    assert not sft_config(plain, tmp_path, cpu).full_determinism
+    assert sft_config(recipe, tmp_path, cpu).full_determinism and grpo_config(recipe, tmp_path, cpu).full_determinism
+    environment = dict(os.environ)
+    try:
+        torch.use_deterministic_algorithms(False)
+        model, tokenizer = load_model(recipe.model, None, seed=0, dtype=TRAINING_DTYPE)
+        SSESFTTrainer(model=model, args=sft_config(recipe, tmp_path, cpu), processing_class=tokenizer,
+                      train_dataset=sft_dataset(recipe.distill.data, recipe.prompt_instruction))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        os.environ.clear()
+        os.environ.update(environment)
