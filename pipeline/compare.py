@@ -11,8 +11,8 @@ asked format). A second table
 gives each stage's change over the stage before it, and each run's difference from the first run's at the same
 stage, and a run whose training started from another run's model (``<stage>/started_from.json``, e.g. GRPO variants
 from one distilled model) against that model's evaluation, one model scored by two runs whose evaluations differ
-(``eval.engine.backend=vllm`` on another run's checkpoint) against itself, and the mean of runs whose recipes differ in the seed
-alone (draws of one variant from one model) against it, paired over the same problems where the summaries kept
+(``eval.engine.backend=vllm`` on another run's checkpoint) against itself, and the mean of runs whose recipes
+differ in the seed alone (draws of one variant from one model) against it, paired over the same problems where the summaries kept
 each problem's accuracy (and again counting boxed answers alone, where they kept that too): tighter than two
 separate intervals, whose overlap hides a change that most problems share. Whole runs of one recipe (the seed aside),
 and runs of one recipe from one shared model (a sweep's ``--shared`` stage), are draws of one arm: each stage's

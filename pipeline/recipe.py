@@ -309,7 +309,7 @@ class Recipe:
     prompt_instruction: str = INSTRUCTION  # appended to every problem, in training and evaluation
     # training: bf16 autocast over float32 master weights ("bf16-mixed"), or "fp32"; auto: bf16-mixed on CUDA
     precision: str = bounded("auto", choices=("auto", "bf16-mixed", "fp32"))
-    # training that repeats bit for bit with one seed (transformers' ``full_determinism``: deterministic algorithms
+    # training meant to repeat bit for bit with one seed (transformers' ``full_determinism``: deterministic algorithms
     # only, among them flash attention's backward, which otherwise sums a query's gradient over key blocks in the
     # order the GPU finishes them); it may cost speed, so off by default. Changes no stage's result in
     # expectation: a re-run may flip it

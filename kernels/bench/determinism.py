@@ -10,14 +10,15 @@ time (one pass, a rough price of ``--deterministic``, not a benchmark of steps).
 operator that sums in an order the GPU picks (atomics, split reductions). Sequences long enough matter: flash
 attention's backward adds a query's gradient over key blocks as they finish, and two blocks (sequences of 200
 tokens) sum the same either way, as float addition commutes; three or more need not. ``--deterministic`` runs the
-passes as ``deterministic: true`` recipes train (``torch.use_deterministic_algorithms(True)``, not warn-only,
-which leaves flash attention's backward as it is): an operator without a deterministic form raises, named.
+passes as ``deterministic: true`` recipes train (``torch.use_deterministic_algorithms(True)``; its warn-only form
+leaves flash attention's backward as it is): an operator without a deterministic form raises, named.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import time
 
 import torch
@@ -28,7 +29,7 @@ from sse_model.convert import convert_to_sse
 
 
 def group(name: str, mixers: dict[int, str]) -> str:
-    """The part of the model a parameter belongs to, by its name (``model.layers.7.mixer.q_proj.weight``)."""
+    """The part of the model a parameter belongs to, by its name (``model.layers.7.attn.q_proj.weight``)."""
     if "embed" in name or "lm_head" in name:
         return "embeddings / LM head"
     parts = name.split(".")
@@ -74,8 +75,6 @@ def main(argv=None) -> None:
     parser.add_argument("--deterministic", action="store_true")
     args = parser.parse_args(argv)
     if args.deterministic:  # as transformers' full_determinism sets it (cuBLAS reads its workspace at first use)
-        import os
-
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
