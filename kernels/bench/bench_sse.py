@@ -67,7 +67,7 @@ def sse_inputs(B, T, N, dtype=torch.bfloat16, grad=False, heads=H, head_dim=D):
     return side(), side(), make(B, T, heads, head_dim), make(B, T, N)
 
 
-def sse_call(inputs, impl="auto", K=1):
+def sse_call(inputs, impl="auto", K=1, backward_head_groups=1):
     """Our SSE through the dispatch point (routing, plan, kernels), on packed rows like the pipeline's."""
     from sse_model.ops.dispatch import route_tokens, sse_attention
     from sse_model.ops.sse import Branch, SSEOptions
@@ -79,8 +79,8 @@ def sse_call(inputs, impl="auto", K=1):
 
     def run():
         routing = route_tokens(logits.reshape(1, B * T, -1), K, K)
-        o, _ = sse_attention(Branch(*flat[:3]), Branch(*flat[3:6]), flat[6], routing, SSEOptions(),
-                             implementation=impl, cu_seqlens=cu)
+        o, _ = sse_attention(Branch(*flat[:3]), Branch(*flat[3:6]), flat[6], routing,
+                             SSEOptions(backward_head_groups=backward_head_groups), implementation=impl, cu_seqlens=cu)
         return o
 
     return run

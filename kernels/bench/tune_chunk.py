@@ -2,12 +2,16 @@
 
 Each kernel of :mod:`kernels.sse_chunk` is timed (CUDA time under ``torch.profiler``, summed over its launches in
 one SSE forward+backward) under each candidate :class:`~kernels.sse_chunk.KernelConfig` while the others keep
-their current one; prints a table and the best choice per kernel, which ``CONFIGS`` in ``sse_chunk.py``
-records. ``--then-bench`` runs the chunk table of ``bench_sse`` with the best choices in the same process.
+their current one (every launch of the kernel takes the candidate, the state walks' narrow ones too); prints a
+table and the best choice per kernel, which ``CONFIGS`` (or ``NARROW``) in ``sse_chunk.py`` records.
+``--then-bench`` runs the chunk table of ``bench_sse`` with the best choices in the same process.
 
     python -m kernels.bench.tune_chunk [--B 4 --T 32768 --H 18] [--kernels fwd_o bwd_dv] [--then-bench]
+    python -m kernels.bench.tune_chunk --B 1 --T 32768 --H 18 --groups 3 --kernels   # the breakdown alone
 
-(``--B 8 --T 4096 --H 8`` and ``--B 2 --T 16384 --H 8``: one layer of the model benchmark's training steps.)
+(``--B 8 --T 4096 --H 8`` and ``--B 2 --T 16384 --H 8``: one layer of the model benchmark's training steps;
+``--B 1 --T 32768 --H 18``: one row of ``paper-2b``'s distillation, a single sequence whose state walks have few
+programs.) First a breakdown: each chunk kernel's time and launches under the current configs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from kernels.sse_chunk import KernelConfig
 from .bench_sse import fwd_bwd, leaves_of, limit_autotune, sse_call, sse_inputs
 
 SEQUENTIAL = [KernelConfig(64, 64, 4), KernelConfig(64, 64, 8), KernelConfig(32, 64, 4), KernelConfig(64, 64, 4, 3),
-              KernelConfig(64, 64, 2), KernelConfig(32, 64, 2), KernelConfig(64, 128, 4), KernelConfig(32, 32, 2)]
+              KernelConfig(64, 64, 2), KernelConfig(32, 64, 2), KernelConfig(64, 128, 4), KernelConfig(32, 32, 2),
+              KernelConfig(32, 32, 4), KernelConfig(16, 64, 2), KernelConfig(16, 32, 2), KernelConfig(32, 16, 2)]
 PER_CHUNK = [KernelConfig(32, 64, 4), KernelConfig(64, 64, 4), KernelConfig(32, 128, 4), KernelConfig(64, 128, 8),
              KernelConfig(32, 64, 4, 3), KernelConfig(32, 64, 2), KernelConfig(16, 64, 4), KernelConfig(64, 64, 4, 3),
              KernelConfig(32, 64, 8), KernelConfig(64, 64, 8), KernelConfig(32, 32, 4)]
@@ -33,19 +38,50 @@ CANDIDATES = {"fwd_h": SEQUENTIAL, "bwd_dh": SEQUENTIAL, "fwd_o": PER_CHUNK, "bw
               "bwd_dqkg": [replace(c, min_blocks_v=2) for c in PER_CHUNK if c.num_stages > 1]}
 
 
-def kernel_times(step) -> dict[str, float]:
-    """Milliseconds of CUDA time per chunk kernel in one call of ``step`` (after a warm-up call)."""
+def kernel_times(step, launches: dict | None = None) -> dict[str, float]:
+    """Milliseconds of CUDA time per chunk kernel in one call of ``step`` (after a warm-up call); ``launches``, if
+    given, receives each kernel's launch count, and ``"all"`` the call's wall-clock milliseconds."""
     step()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
         step()
+        end.record()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for event in prof.key_averages():
         for name in CANDIDATES:
             if event.key == "_" + name:
                 times[name] = times.get(name, 0.0) + event.device_time_total / 1e3
+                if launches is not None:
+                    launches[name] = launches.get(name, 0) + event.count
+    if launches is not None:
+        launches["all"] = start.elapsed_time(end)
     return times
+
+
+def breakdown(step) -> None:
+    """Each chunk kernel's CUDA time and launches in one call under the current configs, and the call's time."""
+    counts: dict = {}
+    times = kernel_times(step, counts)
+    def config(c: KernelConfig) -> str:
+        return f"{c.block_k}, {c.block_v}, {c.num_warps}, {c.num_stages}"
+
+    print("| kernel | BK, BV, warps, stages | launches | ms |")
+    print("|---|---|---|---|")
+    for name, ms in times.items():
+        narrow = f" (narrow launches: {config(sse_chunk.NARROW[name])})" if name in sse_chunk.NARROW else ""
+        print(f"| {name} | {config(sse_chunk.CONFIGS[name])}{narrow} | {counts[name]} | {ms:.2f} |")
+    print(f"| chunk kernels | | | {sum(times.values()):.2f} |")
+    print(f"| the call (forward + backward, wall-clock) | | | {counts['all']:.2f} |\n", flush=True)
+
+
+def use(name: str, cfg: KernelConfig) -> None:
+    """``cfg`` for every launch of kernel ``name`` (the state walks' narrow launches too)."""
+    sse_chunk.CONFIGS[name] = cfg
+    if name in sse_chunk.NARROW:
+        sse_chunk.NARROW[name] = cfg
 
 
 def main() -> None:
@@ -54,7 +90,9 @@ def main() -> None:
     parser.add_argument("--T", type=int, default=32768)
     parser.add_argument("--H", type=int, default=18, help="heads")
     parser.add_argument("--D", type=int, default=128, help="head dim")
-    parser.add_argument("--kernels", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--groups", type=int, default=1, help="SSEOptions.backward_head_groups of the call")
+    parser.add_argument("--kernels", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES),
+                        help="kernels to tune (none: the breakdown alone)")
     parser.add_argument("--then-bench", action="store_true")
     args = parser.parse_args()
     limit_autotune()
@@ -62,15 +100,18 @@ def main() -> None:
 
     kernels.register()
     inputs = sse_inputs(args.B, args.T, 4, grad=True, heads=args.H, head_dim=args.D)
-    step = fwd_bwd(sse_call(inputs), leaves_of(inputs))
-    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H={args.H}, D={args.D}, N=4, K=1, bf16, one f+b)\n")
-    print("| kernel | BK | BV | warps | stages | ms |")
-    print("|---|---|---|---|---|---|")
+    step = fwd_bwd(sse_call(inputs, backward_head_groups=args.groups), leaves_of(inputs))
+    print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H={args.H}, D={args.D}, N=4, K=1, bf16, one f+b, "
+          f"backward_head_groups={args.groups}; {torch.cuda.get_device_name()})\n")
+    breakdown(step)
+    if args.kernels:
+        print("| kernel | BK | BV | warps | stages | ms |")
+        print("|---|---|---|---|---|---|")
     for name in args.kernels:
         candidates = CANDIDATES[name]
         best = None
         for cfg in candidates:
-            sse_chunk.CONFIGS[name] = cfg
+            use(name, cfg)
             try:
                 ms = kernel_times(step)[name]
             except Exception as e:  # a config the compiler rejects (shared memory): skip it
@@ -81,8 +122,11 @@ def main() -> None:
                   flush=True)
             if best is None or ms < best[0]:
                 best = (ms, cfg)
-        sse_chunk.CONFIGS[name] = best[1]
-    print("\nbest:", {k: (c.block_k, c.block_v, c.num_warps, c.num_stages) for k, c in sse_chunk.CONFIGS.items()})
+        use(name, best[1])
+    if args.kernels:
+        print("\nbest:", {k: (c.block_k, c.block_v, c.num_warps, c.num_stages) for k, c in sse_chunk.CONFIGS.items()})
+        print("\nWith the best:\n")
+        breakdown(step)
     del inputs
     torch.cuda.empty_cache()
     if args.then_bench:
