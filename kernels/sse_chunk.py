@@ -40,7 +40,6 @@ hold these to.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -472,42 +471,10 @@ CONFIGS = {
 }
 
 
-# The state walks (``_fwd_h``, ``_bwd_dh``) go chunk after chunk along a sequence, one program per state tile,
-# segment and head. A launch with fewer programs than the GPU has multiprocessors (one long sequence, as a 32k
-# training row; a group of heads in the backward by head groups) leaves most of it idle and lasts as long as one
-# program's walk: narrower tiles give it more programs, each with less to load per chunk. At one row of 32,768
-# tokens (H100, ``python -m kernels.bench.tune_chunk --B 1 --T 32768 --H 6 --kernels fwd_h bwd_dh``) the narrow
-# tiles took the walks of 6 heads from 1.92 / 1.97 ms to 1.47 / 1.36 ms (docs/paper_scale.md); wide launches,
-# where they lose (docs/benchmarks.md), keep ``CONFIGS``.
-NARROW = {
-    "fwd_h": KernelConfig(16, 64, 2),
-    "bwd_dh": KernelConfig(16, 64, 2),
-}
-
-
 def _cfg(name: str, K: int, V: int, *keys: str) -> dict:
     c = CONFIGS[name]
     blocks = c.blocks(K, V)
     return {**{k: blocks[k] for k in keys}, **c.launch()}
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The GPU's multiprocessors (0 off CUDA: Triton's interpreter takes the wide tiles, as tests may force)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _walk_cfg(name: str, K: int, V: int, walks: int, device: torch.device) -> tuple[int, dict]:
-    """(state tiles, launch options) of a state walk over ``walks`` segment-heads: ``CONFIGS``' tiles, or
-    ``NARROW``'s where those would give fewer programs than the GPU has multiprocessors."""
-    for table in (CONFIGS, NARROW):
-        blocks = table[name].blocks(K, V)
-        tiles = blocks["NK"] * blocks["NV"]
-        if tiles * walks >= _multiprocessors(device):
-            break
-    return tiles, {"BK": blocks["BK"], "BV": blocks["BV"], "NV": blocks["NV"], **table[name].launch()}
 
 
 @dataclass
@@ -624,15 +591,15 @@ def _state_pass(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h, h0, ht, first
     sparse = call.tok is not None
     dummy = plan.cu_seg
     tok, ww_, wm_ = (call.tok, ww, wm) if sparse else (dummy,) * 3
+    seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
+    tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
     args = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
             dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off, L, S, NP)
     opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=plan.chunk, USE_H0=h0 is not None, STORE_HT=ht is not None,
-                DT=DT, IEEE=IEEE)
+                DT=DT, IEEE=IEEE, **seq)
 
     def walk(sparse_segments: bool) -> None:
-        segments = S * NP if sparse_segments else S
-        tiles, seq = _walk_cfg("fwd_h", K, V, segments * heads, v.device)
-        _fwd_h[(tiles, segments, heads)](*args, S if sparse_segments else 0, **opts, **seq)
+        _fwd_h[(tiles, S * NP if sparse_segments else S, heads)](*args, S if sparse_segments else 0, **opts)
 
     return walk
 
@@ -666,8 +633,8 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     dht = None if dht is None else dht.contiguous()
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     heads = H if h is not None else H // call.head_groups
-    shared_walk = _walk_cfg("bwd_dh", K, V, S * heads, v.device)
-    sparse_walk = _walk_cfg("bwd_dh", K, V, S * NP * heads, v.device)
+    seq = _cfg("bwd_dh", K, V, "BK", "BV", "NV")
+    tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
     base = dict(H=H, HS=heads, K=K, V=V, C=C, DT=DT, IEEE=IEEE, SAFE=call.safe)
     dv_cfg = {**base, **_cfg("bwd_dv", K, V, "BK", "BV", "NK")}
     dq_cfg = {**base, **_cfg("bwd_dqkg", K, V, "BK", "BV", "NK", "NV")}
@@ -692,12 +659,12 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
                 dummy if dht is None else dht, dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
                 call.scale, L, S, NP)
         walk_opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=C, USE_DHT=dht is not None,
-                         STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE)
+                         STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq)
         overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
-        _bwd_dh[(shared_walk[0], S, heads)](*walk, 0, **walk_opts, **shared_walk[1])
+        _bwd_dh[(tiles, S, heads)](*walk, 0, **walk_opts)
         if sparse:  # on the side stream: the sparse state-gradient walk, dv and dq / dk / dg (see _Overlap)
             with overlap:
-                _bwd_dh[(sparse_walk[0], S * NP, heads)](*walk, S, **walk_opts, **sparse_walk[1])
+                _bwd_dh[(tiles, S * NP, heads)](*walk, S, **walk_opts)
                 _bwd_dv[(NV, plan.launch_sparse.numel(), heads)](
                     q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables, first,
                     OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **dv_cfg,

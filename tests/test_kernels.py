@@ -154,37 +154,6 @@ CHUNK_CASES = [  # N, Kw, Kr, write gate, read gate, sequence lengths, SAFE (0: 
 def test_sse_chunk_kernels_match_reference(case):
     """Outputs, final states and every gradient (router logits and initial states included), float32 kernels
     against float64 Algorithm 2; chunk size 16 so that short sequences span several chunks."""
-    _check_chunk_case(case)
-
-
-@pytest.mark.parametrize("case", [CHUNK_CASES[i] for i in (0, 2, 6, 7)], ids=lambda c: "-".join(map(str, c)))
-def test_sse_chunk_state_walks_in_narrow_tiles_match_reference(monkeypatch, case):
-    """The state walks' narrow tiles (``kernels/sse_chunk.py::NARROW``, taken by launches with fewer programs
-    than the GPU has multiprocessors, as one 32k row's), forced for every walk: the same results as the reference,
-    at key dims that are no multiple of the tiles too."""
-    from kernels import sse_chunk
-
-    monkeypatch.setattr(sse_chunk, "_multiprocessors", lambda device: 1 << 30)
-    _check_chunk_case(case)
-
-
-def test_sse_chunk_state_walks_take_narrow_tiles_only_where_wide_ones_leave_multiprocessors_idle(monkeypatch):
-    """At an H100's 132 multiprocessors and head dim 128: the wide tiles where their programs fill the GPU (4
-    partitions x 18 heads of one sequence), the narrow ones where they would not (one sequence's shared walk
-    of 18 heads, or of a group of 6)."""
-    from kernels import sse_chunk
-
-    monkeypatch.setattr(sse_chunk, "_multiprocessors", lambda device: 132)
-    for name in ("fwd_h", "bwd_dh"):
-        wide, narrow = sse_chunk.CONFIGS[name].blocks(128, 128), sse_chunk.NARROW[name].blocks(128, 128)
-        assert wide["NK"] * wide["NV"] * 18 < 132 <= wide["NK"] * wide["NV"] * 4 * 18, name
-        for walks, expected in ((4 * 18, wide), (18, narrow), (6, narrow)):
-            tiles, cfg = sse_chunk._walk_cfg(name, 128, 128, walks, torch.device("cpu"))
-            assert (tiles, cfg["BK"], cfg["BV"]) == (expected["NK"] * expected["NV"], expected["BK"],
-                                                     expected["BV"]), (name, walks)
-
-
-def _check_chunk_case(case):
     from kernels.sse_chunk import sse_chunk_triton
     from sse_model.ops.dispatch import torch_linear_op
     from sse_model.ops.sse import sse_varlen

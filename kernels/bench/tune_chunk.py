@@ -2,8 +2,7 @@
 
 Each kernel of :mod:`kernels.sse_chunk` is timed (CUDA time under ``torch.profiler``, summed over its launches in
 one SSE forward+backward) under each candidate :class:`~kernels.sse_chunk.KernelConfig` while the others keep
-their current one (every launch of the kernel takes the candidate, the state walks' narrow ones too); prints a
-table and the best choice per kernel, which ``CONFIGS`` (or ``NARROW``) in ``sse_chunk.py`` records.
+their current one; prints a table and the best choice per kernel, which ``CONFIGS`` in ``sse_chunk.py`` records.
 ``--then-bench`` runs the chunk table of ``bench_sse`` with the best choices in the same process.
 
     python -m kernels.bench.tune_chunk [--B 4 --T 32768 --H 18] [--kernels fwd_o bwd_dv] [--then-bench]
@@ -71,17 +70,9 @@ def breakdown(step) -> None:
     print("| kernel | BK, BV, warps, stages | launches | ms |")
     print("|---|---|---|---|")
     for name, ms in times.items():
-        narrow = f" (narrow launches: {config(sse_chunk.NARROW[name])})" if name in sse_chunk.NARROW else ""
-        print(f"| {name} | {config(sse_chunk.CONFIGS[name])}{narrow} | {counts[name]} | {ms:.2f} |")
+        print(f"| {name} | {config(sse_chunk.CONFIGS[name])} | {counts[name]} | {ms:.2f} |")
     print(f"| chunk kernels | | | {sum(times.values()):.2f} |")
     print(f"| the call (forward + backward, wall-clock) | | | {counts['all']:.2f} |\n", flush=True)
-
-
-def use(name: str, cfg: KernelConfig) -> None:
-    """``cfg`` for every launch of kernel ``name`` (the state walks' narrow launches too)."""
-    sse_chunk.CONFIGS[name] = cfg
-    if name in sse_chunk.NARROW:
-        sse_chunk.NARROW[name] = cfg
 
 
 def main() -> None:
@@ -111,7 +102,7 @@ def main() -> None:
         candidates = CANDIDATES[name]
         best = None
         for cfg in candidates:
-            use(name, cfg)
+            sse_chunk.CONFIGS[name] = cfg
             try:
                 ms = kernel_times(step)[name]
             except Exception as e:  # a config the compiler rejects (shared memory): skip it
@@ -122,7 +113,7 @@ def main() -> None:
                   flush=True)
             if best is None or ms < best[0]:
                 best = (ms, cfg)
-        use(name, best[1])
+        sse_chunk.CONFIGS[name] = best[1]
     if args.kernels:
         print("\nbest:", {k: (c.block_k, c.block_v, c.num_warps, c.num_stages) for k, c in sse_chunk.CONFIGS.items()})
         print("\nWith the best:\n")
