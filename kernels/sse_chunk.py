@@ -28,7 +28,9 @@ Kernels (grid axis 2 is the head):
     ``_fwd_o``:    per chunk: the output, added into the token's output;
     ``_bwd_dh``:   per segment, walks the chunks backwards: the gradient of each chunk's final state;
     ``_bwd_dv``:   per chunk: dv;
-    ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights.
+    ``_bwd_dqkg``: per chunk: dq, dk, dg, and the gradients of the router's read and write weights;
+    ``_carry``:    where a call's walks go in pieces (few long sequences, ``_piece_chunks``): each piece was
+                   walked from zero, this adds what enters it to its chunks' states.
 Each runs as one launch for the shared segments and one for the sparse ones; the sparse launches go to a
 second stream while the shared partition's walk runs (:class:`_Overlap`), and at K = 1 the sparse output
 launches write each token's output / dv and the shared ones add to it.
@@ -40,6 +42,7 @@ hold these to.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -198,13 +201,17 @@ def _intra_grads(dA, q, k, gc, C: tl.constexpr, DT: tl.constexpr, IEEE: tl.const
 
 
 @triton.jit
-def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
+def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, j0, j1, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask, decay_before,
             H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-            DT: tl.constexpr, IEEE: tl.constexpr, SPARSE: tl.constexpr):
-    """The state pass over one segment's chunks from state ``b_h``: stores each chunk's initial state at
-    ``h_tile`` (chunk after chunk, in states of ``HS`` heads), returns the final one."""
-    for j in range(0, tl.cdiv(eos - bos, C)):
+            DT: tl.constexpr, IEEE: tl.constexpr, SPARSE: tl.constexpr, PIECES: tl.constexpr):
+    """The state pass over chunks ``j0 .. j1`` of one segment from state ``b_h``: stores each chunk's initial
+    state at ``h_tile`` (chunk after chunk, in states of ``HS`` heads); returns the final one and, with
+    ``PIECES``, the log2-decay summed over the chunks, each chunk's sum before it stored at ``decay_before``."""
+    acc = offs_k.to(tl.float32) * 0.0
+    for j in range(j0, j1):
         tl.store(h_tile + j * HS * K * V, b_h.to(h_tile.dtype.element_ty), mask=tmask)
+        if PIECES:
+            tl.store(decay_before + j * HS * K, acc, mask=mk)
         t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, ww, ww, wm, C, SPARSE)
         kk = _load(k, t, valid, i_h, H, K, offs_k, mk) * b[:, None]
         gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
@@ -212,33 +219,47 @@ def _walk_h(k, g, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v,
         gc = tl.cumsum(gg, axis=0)
         gl = tl.sum(gg, axis=0)
         b_h = b_h * tl.exp2(gl)[:, None] + _dot(tl.trans(kk * tl.exp2(gl[None, :] - gc)), vv, DT, IEEE)
-    return b_h
+        if PIECES:
+            acc += gl
+    return b_h, acc
 
 
-@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "H0"])
+@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "H0", "M", "MAXP"])
 def _fwd_h(
-    k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off,
-    L, S, NP, seg0, H0,
+    k_sh, k_sp, g_sh, g_sp, v, tok, ww, wm, h, h0, ht, cu_seg, chunk_off, piece_end, piece_decay, decay_before,
+    L, S, NP, seg0, H0, M, MAXP,
     H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PIECES: tl.constexpr,
 ):
-    # heads H0 .. H0 + HS of H (a group of them in the backward, see _backward); h holds HS heads
-    i_kv, seg, i_s = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
+    # heads H0 .. H0 + HS of H (a group of them in the backward, see _backward); h holds HS heads. Grid axis 1:
+    # segment x piece (MAXP pieces of M chunks a segment; one piece of every chunk without PIECES)
+    i_kv, pid, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg, p = seg0 + pid // MAXP, pid % MAXP
     i_h = H0 + i_s
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
+    n = tl.cdiv(eos - bos, C)
+    if (p > 0) & (p * M >= n):
+        return
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
+    if USE_H0:  # the first piece starts from the initial state, the others from zero (see _carry)
+        if p == 0:
+            b_h += tl.load(h0 + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
     h_tile = h + (c0 * HS + i_s) * K * V + tile
+    before = decay_before + (c0 * HS + i_s) * K + offs_k
+    j0, j1 = p * M, tl.minimum(p * M + M, n)
     if seg >= S:
-        b_h = _walk_h(k_sp, g_sp, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
-                      H, HS, K, V, C, DT, IEEE, True)
+        b_h, acc = _walk_h(k_sp, g_sp, v, tok, ww, wm, h_tile, b_h, j0, j1, bos, eos, L, i_h, offs_k, offs_v, mk, mv,
+                           tmask, before, H, HS, K, V, C, DT, IEEE, True, PIECES)
     else:
-        b_h = _walk_h(k_sh, g_sh, v, tok, ww, wm, h_tile, b_h, bos, eos, L, i_h, offs_k, offs_v, mk, mv, tmask,
-                      H, HS, K, V, C, DT, IEEE, False)
-    if STORE_HT:
+        b_h, acc = _walk_h(k_sh, g_sh, v, tok, ww, wm, h_tile, b_h, j0, j1, bos, eos, L, i_h, offs_k, offs_v, mk, mv,
+                           tmask, before, H, HS, K, V, C, DT, IEEE, False, PIECES)
+    if PIECES:
+        piece = (seg * MAXP + p) * HS + i_s
+        tl.store(piece_end + piece * K * V + tile, b_h, mask=tmask)
+        tl.store(piece_decay + piece * K + offs_k, acc, mask=mk)
+    elif STORE_HT:
         tl.store(ht + (srow * H + i_h) * K * V + tile, b_h, mask=tmask)
 
 
@@ -280,15 +301,18 @@ def _fwd_o(
 
 
 @triton.jit
-def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv, tmask,
-             H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-             DT: tl.constexpr, IEEE: tl.constexpr, SPARSE: tl.constexpr):
-    """The state-gradient pass over one segment's chunks, last to first, from ``b_dh``: stores the gradient
-    of each chunk's final state at ``dh_tile`` (chunk after chunk), returns that of the initial state."""
-    n = tl.cdiv(eos - bos, C)
-    for jj in range(0, n):
-        j = n - 1 - jj
+def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, j0, j1, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv, tmask,
+             decay_before, H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+             DT: tl.constexpr, IEEE: tl.constexpr, SPARSE: tl.constexpr, PIECES: tl.constexpr):
+    """The state-gradient pass over chunks ``j0 .. j1`` of one segment, last to first, from ``b_dh``: stores the
+    gradient of each chunk's final state at ``dh_tile`` (chunk after chunk), returns that of the first chunk's
+    initial state and, with ``PIECES``, the log2-decay summed as :func:`_walk_h` does."""
+    acc = offs_k.to(tl.float32) * 0.0
+    for jj in range(0, j1 - j0):
+        j = j1 - 1 - jj
         tl.store(dh_tile + j * HS * K * V, b_dh.to(dh_tile.dtype.element_ty), mask=tmask)
+        if PIECES:
+            tl.store(decay_before + j * HS * K, acc, mask=mk)
         t, valid, a, b, m = _rows(bos + j * C, eos, L, tok, rw, rw, wm, C, SPARSE)
         qq = _load(q, t, valid, i_h, H, K, offs_k, mk) * a[:, None]
         gg = _load(g, t, valid, i_h, H, K, offs_k, mk) * (m * LOG2E)[:, None]
@@ -296,33 +320,95 @@ def _walk_dh(q, g, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs
         gc = tl.cumsum(gg, axis=0)
         gl = tl.sum(gg, axis=0)
         b_dh = b_dh * tl.exp2(gl)[:, None] + _dot(tl.trans(qq * tl.exp2(gc) * scale), dd, DT, IEEE)
-    return b_dh
+        if PIECES:
+            acc += gl
+    return b_dh, acc
 
 
-@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "H0", "scale"])
+@triton.jit(do_not_specialize=["L", "S", "NP", "seg0", "H0", "scale", "M", "MAXP"])
 def _bwd_dh(
-    q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, scale,
-    L, S, NP, seg0, H0,
+    q_sh, q_sp, g_sh, g_sp, do, tok, rw, wm, dh, dht, dh0, cu_seg, chunk_off, piece_end, piece_decay, decay_before,
+    scale, L, S, NP, seg0, H0, M, MAXP,
     H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PIECES: tl.constexpr,
 ):
-    i_kv, seg, i_s = tl.program_id(0), seg0 + tl.program_id(1), tl.program_id(2)
+    i_kv, pid, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg, p = seg0 + pid // MAXP, pid % MAXP
     i_h = H0 + i_s
     bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
+    n = tl.cdiv(eos - bos, C)
+    pieces = tl.maximum(tl.cdiv(n, M), 1)
+    if p >= pieces:
+        return
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(dht + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
+    if USE_DHT:  # the last piece starts from the final state's gradient, the others from zero (see _carry)
+        if p == pieces - 1:
+            b_dh += tl.load(dht + (srow * H + i_h) * K * V + tile, mask=tmask, other=0.0).to(tl.float32)
     dh_tile = dh + (c0 * HS + i_s) * K * V + tile
+    before = decay_before + (c0 * HS + i_s) * K + offs_k
+    j0, j1 = p * M, tl.minimum(p * M + M, n)
     if seg >= S:
-        b_dh = _walk_dh(q_sp, g_sp, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv,
-                        tmask, H, HS, K, V, C, DT, IEEE, True)
+        b_dh, acc = _walk_dh(q_sp, g_sp, do, tok, rw, wm, dh_tile, b_dh, j0, j1, bos, eos, scale, L, i_h, offs_k,
+                             offs_v, mk, mv, tmask, before, H, HS, K, V, C, DT, IEEE, True, PIECES)
     else:
-        b_dh = _walk_dh(q_sh, g_sh, do, tok, rw, wm, dh_tile, b_dh, bos, eos, scale, L, i_h, offs_k, offs_v, mk, mv,
-                        tmask, H, HS, K, V, C, DT, IEEE, False)
-    if STORE_DH0:
+        b_dh, acc = _walk_dh(q_sh, g_sh, do, tok, rw, wm, dh_tile, b_dh, j0, j1, bos, eos, scale, L, i_h, offs_k,
+                             offs_v, mk, mv, tmask, before, H, HS, K, V, C, DT, IEEE, False, PIECES)
+    if PIECES:
+        piece = (seg * MAXP + p) * HS + i_s
+        tl.store(piece_end + piece * K * V + tile, b_dh, mask=tmask)
+        tl.store(piece_decay + piece * K + offs_k, acc, mask=mk)
+    elif STORE_DH0:
         tl.store(dh0 + (srow * H + i_h) * K * V + tile, b_dh, mask=tmask)
+
+
+@triton.jit(do_not_specialize=["S", "NP", "seg0", "H0", "M", "MAXP"])
+def _carry(
+    h, piece_end, piece_decay, decay_before, final, cu_seg, chunk_off,
+    S, NP, seg0, H0, M, MAXP,
+    H: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, STORE_FINAL: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """The second half of a walk split into pieces (``_fwd_h``, or ``_bwd_dh`` with ``REVERSE``): each piece
+    walked from zero, its chunks' states are completed with the state that enters it, the pieces walked before
+    it folded in walk order (each one's end, ``piece_end``, after the entering state decayed over it,
+    ``piece_decay``), decayed to each chunk (``decay_before``); the segment's last piece in walk order stores
+    its final state (the final state, or the initial state's gradient)."""
+    i_kv, pid, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg, p = seg0 + pid // MAXP, pid % MAXP
+    i_h = H0 + i_s
+    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
+    n = tl.cdiv(eos - bos, C)
+    pieces = tl.maximum(tl.cdiv(n, M), 1)
+    if p >= pieces:
+        return
+    offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
+    if REVERSE:
+        walked = pieces - 1 - p
+    else:
+        walked = p
+    b = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(0, walked):
+        if REVERSE:
+            q = pieces - 1 - i
+        else:
+            q = i
+        piece = (seg * MAXP + q) * HS + i_s
+        d = tl.load(piece_decay + piece * K + offs_k, mask=mk, other=0.0)
+        b = b * tl.exp2(d)[:, None] + tl.load(piece_end + piece * K * V + tile, mask=tmask, other=0.0)
+    if walked > 0:
+        for j in range(p * M, tl.minimum(p * M + M, n)):
+            at = (c0 + j) * HS + i_s
+            d = tl.load(decay_before + at * K + offs_k, mask=mk, other=0.0)
+            x = tl.load(h + at * K * V + tile, mask=tmask, other=0.0).to(tl.float32) + tl.exp2(d)[:, None] * b
+            tl.store(h + at * K * V + tile, x.to(h.dtype.element_ty), mask=tmask)
+    if STORE_FINAL:
+        if walked == pieces - 1:
+            piece = (seg * MAXP + p) * HS + i_s
+            d = tl.load(piece_decay + piece * K + offs_k, mask=mk, other=0.0)
+            end = b * tl.exp2(d)[:, None] + tl.load(piece_end + piece * K * V + tile, mask=tmask, other=0.0)
+            tl.store(final + (srow * H + i_h) * K * V + tile, end, mask=tmask)
 
 
 @triton.jit(do_not_specialize=["L", "H0", "scale"])
@@ -490,6 +576,48 @@ class _Call:
     # > 1: the backward makes the chunk states again, this many groups of heads one after another, instead of
     # keeping the forward's (SSEOptions.backward_head_groups)
     head_groups: int = 1
+    # > 0: the state walks go in pieces of this many chunks (see _piece_chunks), the same for every walk of the
+    # call, so that a backward by head groups makes exactly the forward's states
+    piece_chunks: int = 0
+
+
+# A state walk (``_fwd_h``, ``_bwd_dh``) runs one program per state tile, segment and head, chunk after chunk,
+# so its time is one program's walk over the longest segment. Where a call has few long sequences (one 32k
+# training row: 72 programs of 512 chunks at sse-h-2b's 18 heads, fewer in a group of heads) that leaves most of
+# the GPU idle: the walk then goes in pieces of PIECE_CHUNKS chunks, all walked at once from zero, and ``_carry``
+# completes each piece's states with what enters it. Where the programs would be fewer than
+# SPLIT_BELOW_PROGRAMS_PER_SM per multiprocessor; PIECE_CHUNKS = 0 walks whole segments always.
+PIECE_CHUNKS = 64
+SPLIT_BELOW_PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors (0 off CUDA: Triton's interpreter walks whole segments unless tests say)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def _piece_chunks(num_seqs: int, L: int, H: int, K: int, V: int, chunk: int, device: torch.device) -> int:
+    """Chunks a piece of the call's state walks (0: whole segments), from the shared walk's programs at every
+    head: a backward by head groups walks as its forward did."""
+    blocks = CONFIGS["fwd_h"].blocks(K, V)
+    programs = blocks["NK"] * blocks["NV"] * num_seqs * H
+    if not PIECE_CHUNKS or triton.cdiv(L, chunk) <= PIECE_CHUNKS:
+        return 0
+    return PIECE_CHUNKS if programs < SPLIT_BELOW_PROGRAMS_PER_SM * _multiprocessors(device) else 0
+
+
+def _pieces(call: _Call, L: int, heads: int, K: int, V: int, device: torch.device):
+    """``(M, MAXP, piece_end, piece_decay, decay_before)`` of a walk over ``heads`` heads: chunks a piece, pieces
+    a segment at most, and :func:`_carry`'s buffers; for whole segments, one piece of every chunk and no buffers."""
+    plan, M = call.plan, call.piece_chunks
+    if not M:
+        return 1 << 30, 1, plan.cu_seg, plan.cu_seg, plan.cu_seg
+    maxp = triton.cdiv(triton.cdiv(L, plan.chunk), M)  # no segment has more rows than the call has tokens
+    n = plan.num_segments * maxp * heads
+    return (M, maxp, torch.empty(n, K, V, device=device, dtype=torch.float32),
+            torch.empty(n, K, device=device, dtype=torch.float32),
+            torch.empty(plan.max_chunks, heads, K, device=device, dtype=torch.float32))
 
 
 def _dot_type(v: torch.Tensor):
@@ -593,13 +721,21 @@ def _state_pass(call: _Call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h, h0, ht, first
     tok, ww_, wm_ = (call.tok, ww, wm) if sparse else (dummy,) * 3
     seq = _cfg("fwd_h", K, V, "BK", "BV", "NV")
     tiles = triton.cdiv(K, seq["BK"]) * seq["NV"]
+    M, maxp, ends, decays, before = _pieces(call, L, heads, K, V, v.device)
+    final = dummy if ht is None else ht
     args = (k_sh, k_sp if sparse else k_sh, g_sh, g_sp if sparse else g_sh, v, tok, ww_, wm_, h,
-            dummy if h0 is None else h0, dummy if ht is None else ht, plan.cu_seg, plan.chunk_off, L, S, NP)
-    opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=plan.chunk, USE_H0=h0 is not None, STORE_HT=ht is not None,
-                DT=DT, IEEE=IEEE, **seq)
+            dummy if h0 is None else h0, final, plan.cu_seg, plan.chunk_off, ends, decays, before, L, S, NP)
+    shape = dict(H=H, HS=heads, K=K, V=V, C=plan.chunk, **seq)
+    opts = dict(H0=first, M=M, MAXP=maxp, USE_H0=h0 is not None, STORE_HT=ht is not None, DT=DT, IEEE=IEEE,
+                PIECES=bool(call.piece_chunks), **shape)
 
     def walk(sparse_segments: bool) -> None:
-        _fwd_h[(tiles, S * NP if sparse_segments else S, heads)](*args, S if sparse_segments else 0, **opts)
+        seg0 = S if sparse_segments else 0
+        grid = (tiles, (S * NP if sparse_segments else S) * maxp, heads)
+        _fwd_h[grid](*args, seg0, **opts)
+        if call.piece_chunks:
+            _carry[grid](h, ends, decays, before, final, plan.cu_seg, plan.chunk_off, S, NP, seg0, first, M, maxp,
+                         STORE_FINAL=ht is not None, REVERSE=False, **shape)
 
     return walk
 
@@ -655,16 +791,27 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
     for first in range(0, H, heads):
         hs = h if h is not None else _states(call, k_sh, g_sh, k_sp, g_sp, v, ww, wm, h0, first, heads)
         dh = torch.empty(plan.max_chunks, heads, K, V, device=v.device, dtype=v.dtype)
+        M, maxp, ends, decays, before = _pieces(call, L, heads, K, V, v.device)
+        final = dummy if dh0 is None else dh0
         walk = (q_sh, q_sp if sparse else q_sh, g_sh, g_sp if sparse else g_sh, do, tok, rw_, wm_, dh,
-                dummy if dht is None else dht, dummy if dh0 is None else dh0, plan.cu_seg, plan.chunk_off,
+                dummy if dht is None else dht, final, plan.cu_seg, plan.chunk_off, ends, decays, before,
                 call.scale, L, S, NP)
-        walk_opts = dict(H=H, HS=heads, H0=first, K=K, V=V, C=C, USE_DHT=dht is not None,
-                         STORE_DH0=dh0 is not None, DT=DT, IEEE=IEEE, **seq)
+        shape = dict(H=H, HS=heads, K=K, V=V, C=C, **seq)
+        walk_opts = dict(H0=first, M=M, MAXP=maxp, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, DT=DT,
+                         IEEE=IEEE, PIECES=bool(call.piece_chunks), **shape)
+
+        def walk_dh(seg0: int, segments: int) -> None:
+            grid = (tiles, segments * maxp, heads)
+            _bwd_dh[grid](*walk, seg0, **walk_opts)
+            if call.piece_chunks:
+                _carry[grid](dh, ends, decays, before, final, plan.cu_seg, plan.chunk_off, S, NP, seg0, first, M,
+                             maxp, STORE_FINAL=dh0 is not None, REVERSE=True, **shape)
+
         overlap = _Overlap(v.device) if sparse else None  # after every allocation, before the shared walk
-        _bwd_dh[(tiles, S, heads)](*walk, 0, **walk_opts)
+        walk_dh(0, S)
         if sparse:  # on the side stream: the sparse state-gradient walk, dv and dq / dk / dg (see _Overlap)
             with overlap:
-                _bwd_dh[(tiles, S * NP, heads)](*walk, S, **walk_opts)
+                walk_dh(S, S * NP)
                 _bwd_dv[(NV, plan.launch_sparse.numel(), heads)](
                     q_sp, k_sp, g_sp, do, dh, dv_out, tok, rw_, ww_, wm_, plan.launch_sparse, *tables, first,
                     OUT_BY_TOKEN=by_token, ACCUM=False, SPARSE=True, **dv_cfg,
@@ -688,7 +835,7 @@ def _backward(call: _Call, do, dht, q_sh, k_sh, g_sh, q_sp, k_sp, g_sp, v, rw, w
         )
         if sparse:
             overlap.join()  # before this group's states and their gradients are freed
-        del hs, dh, walk  # now (``walk`` holds ``dh`` too), before the next group's are made: one group's alive
+        del hs, dh, walk, walk_dh  # now (``walk`` holds ``dh`` too), before the next group's: one group's alive
     if sparse:
         if not by_token:
             dv = (dv.float() + dv_out[call.position].sum(1)).to(v.dtype)
@@ -824,7 +971,8 @@ def chunk_gla_triton(q, k, v, g, beta=None, *, scale=None, initial_state=None, o
     cu = _sequences(B, T, cu_seqlens, q.device)
     plan = kept_outputs(lambda: ChunkPlan(**build_plans(cu, L, chunk=chunk_size)[0], num_seqs=cu.numel() - 1,
                                           num_sparse_partitions=0, chunk=chunk_size))  # once per checkpointed step
-    call = _Call(plan, None, None, K**-0.5 if scale is None else scale, output_final_state)
+    call = _Call(plan, None, None, K**-0.5 if scale is None else scale, output_final_state,
+                 piece_chunks=_piece_chunks(cu.numel() - 1, L, H, K, v.shape[-1], chunk_size, q.device))
     h0 = None if initial_state is None else initial_state.contiguous()
     o, ht = _ChunkFunction.apply(call, _tokens(q, L), _tokens(k, L), _tokens(g, L), None, None, None,
                                  _tokens(v, L), None, None, None, h0)
@@ -920,7 +1068,8 @@ def _prologue(B, T, H, K, v, routing, opts, initial_state, output_final_state, c
     if H % opts.backward_head_groups:
         raise ValueError(f"backward_head_groups ({opts.backward_head_groups}) must divide the {H} heads")
     call = _Call(plan.chunks, plan.tok, plan.pairs.position, K**-0.5 if opts.scale is None else opts.scale,
-                 output_final_state, safe, opts.backward_head_groups)
+                 output_final_state, safe, opts.backward_head_groups,
+                 _piece_chunks(S, B * T, H, K, V, chunk_size, v.device))
     h0 = None if initial_state is None else initial_state.reshape(S * (1 + N), H, K, V).contiguous()
 
     def finish(o, ht):

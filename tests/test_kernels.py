@@ -150,10 +150,42 @@ CHUNK_CASES = [  # N, Kw, Kr, write gate, read gate, sequence lengths, SAFE (0: 
 ]
 
 
+@pytest.fixture
+def pieces(monkeypatch):
+    """Every call's state walks in pieces of one chunk (``kernels/sse_chunk.py::_carry``), as a GPU walks few
+    long sequences; yields the list of the carry's launch grids."""
+    from kernels import sse_chunk
+
+    monkeypatch.setattr(sse_chunk, "PIECE_CHUNKS", 1)
+    monkeypatch.setattr(sse_chunk, "_multiprocessors", lambda device: 1 << 30)
+    grids, carry = [], sse_chunk._carry
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return carry[grid]
+
+    monkeypatch.setattr(sse_chunk, "_carry", Spy())
+    yield grids
+
+
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_sse_chunk_kernels_match_reference(case):
     """Outputs, final states and every gradient (router logits and initial states included), float32 kernels
     against float64 Algorithm 2; chunk size 16 so that short sequences span several chunks."""
+    _check_chunk_case(case)
+
+
+@pytest.mark.parametrize("case", [CHUNK_CASES[i] for i in (0, 1, 2, 4, 6)], ids=lambda c: "-".join(map(str, c)))
+def test_sse_chunk_state_walks_in_pieces_match_reference(pieces, case):
+    """The state walks split into pieces walked from zero and completed by the carry (one 32k row on a GPU):
+    the reference's outputs, final states and gradients, the initial states' and final states' included, with
+    sequences of one token and of several pieces (their sparse segments empty, short or long)."""
+    _check_chunk_case(case)
+    assert len(pieces) == 4  # the shared and the sparse walk, forward and backward
+
+
+def _check_chunk_case(case):
     from kernels.sse_chunk import sse_chunk_triton
     from sse_model.ops.dispatch import torch_linear_op
     from sse_model.ops.sse import sse_varlen
@@ -191,12 +223,18 @@ def test_sse_chunk_kernels_match_reference(case):
         assert_close(a.cpu(), b, torch.float32, f"gradient of {name}")
 
 
-@pytest.mark.parametrize("Kw,Kr,lengths,groups", [(1, 1, [5, 35, 1, 49], 4), (2, 2, [37, 33], 2)])  # K = 1: by token
-def test_sse_chunk_backward_by_head_groups_keeps_no_states_and_the_same_gradients(Kw, Kr, lengths, groups):
+@pytest.mark.parametrize("Kw,Kr,lengths,groups,split", [(1, 1, [5, 35, 1, 49], 4, False), (2, 2, [37, 33], 2, False),
+                                                       (1, 1, [5, 35, 1, 49], 2, True)])  # K = 1: by token
+def test_sse_chunk_backward_by_head_groups_keeps_no_states_and_the_same_gradients(request, Kw, Kr, lengths, groups,
+                                                                                  split):
     """``backward_head_groups``: the backward makes the chunk states again a group of heads at a time instead of
     keeping the forward's (less memory at its peak): nothing of the states' shape is saved for it, and every
-    gradient is the one of the backward that keeps them, at each group count that divides the heads."""
+    gradient is the one of the backward that keeps them, at each group count that divides the heads (``split``:
+    with the walks in pieces, which the groups' walks take as the forward's did)."""
     from kernels.sse_chunk import sse_chunk_triton
+
+    if split:
+        request.getfixturevalue("pieces")
 
     N, H, K, V = 4, 4, 16, 32
     T, chunk = sum(lengths), 16
@@ -272,11 +310,15 @@ def test_sse_from_its_feature_inputs_keeps_no_features_and_the_same_gradients(mo
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} at {groups} head groups")
 
 
-@pytest.mark.parametrize("K,V", [(16, 32), (80, 32), (144, 32), (64, 64)])  # 64: SmolLM2's and Qwen2.5-0.5B's heads
-def test_gla_chunk_kernel_matches_reference(K, V):
-    """Outputs, final states and gradients against float64; a forward without gradients gives the same
-    output and state as one that keeps the chunk states for the backward."""
+@pytest.mark.parametrize("K,V,split", [(16, 32, False), (80, 32, False), (144, 32, False), (64, 64, False),
+                                       (16, 32, True), (80, 32, True)])  # 64: SmolLM2's and Qwen2.5-0.5B's heads
+def test_gla_chunk_kernel_matches_reference(request, K, V, split):
+    """Outputs, final states and gradients against float64 (``split``: the state walks in pieces); a forward
+    without gradients gives the same output and state as one that keeps the chunk states for the backward."""
     from kernels.sse_chunk import chunk_gla_triton
+
+    if split:
+        request.getfixturevalue("pieces")
     from sse_model.ops.gla import recurrent_gla
 
     lengths, H = [21, 1, 40], 2

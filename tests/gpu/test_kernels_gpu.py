@@ -123,6 +123,26 @@ def test_sse_chunk_kernels(name):
     assert rel(o, o_ref) < tol and rel(s, s_ref) < tol and grad_err < 4 * tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_walks_in_pieces_equal_whole_walks(dtype):
+    """One sequence of 32,768 tokens and an initial state (a paper-2b training row: 72 programs a walk at 18
+    heads): the walks go in pieces (``kernels.sse_chunk._piece_chunks``) and give the whole walks' outputs, final
+    states and gradients to rounding (bf16: the pieces' states are rounded once more before the carry)."""
+    from kernels import sse_chunk
+
+    assert sse_chunk._piece_chunks(1, 32768, H, D, D, 64, torch.device("cuda")) == sse_chunk.PIECE_CHUNKS > 0
+    cu, leaves = sse_case([32768], 4, 1, 1, dtype)
+    split = sse_run(sse_chunk.sse_chunk_triton, cu, leaves, 4, 1, 1)
+    pieces, sse_chunk.PIECE_CHUNKS = sse_chunk.PIECE_CHUNKS, 0
+    try:
+        whole = sse_run(sse_chunk.sse_chunk_triton, cu, leaves, 4, 1, 1)
+    finally:
+        sse_chunk.PIECE_CHUNKS = pieces
+    errors = [rel(a, b) for a, b in zip((split[0], split[1], *split[2]), (whole[0], whole[1], *whole[2]))]
+    RESULTS.append((f"walks in pieces vs whole, 32k {dtype}: o / worst", errors[0], max(errors)))
+    assert max(errors) < (1e-5 if dtype == torch.float32 else 1e-2), errors
+
+
 @pytest.mark.parametrize("D", [64, 80, 96, 256])
 def test_chunk_kernels_at_real_head_dims(D):
     """bf16 SSE and GLA chunk kernels, 9 heads, at the head dims of real checkpoints other than the 2B model's
