@@ -82,18 +82,21 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=18, help="heads")
     parser.add_argument("--D", type=int, default=128, help="head dim")
     parser.add_argument("--groups", type=int, default=1, help="SSEOptions.backward_head_groups of the call")
+    parser.add_argument("--pieces", type=int, default=sse_chunk.PIECE_CHUNKS,
+                        help="chunks a piece where the state walks are split (0: whole walks)")
     parser.add_argument("--kernels", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES),
                         help="kernels to tune (none: the breakdown alone)")
     parser.add_argument("--then-bench", action="store_true")
     args = parser.parse_args()
     limit_autotune()
+    sse_chunk.PIECE_CHUNKS = args.pieces
     import kernels
 
     kernels.register()
     inputs = sse_inputs(args.B, args.T, 4, grad=True, heads=args.H, head_dim=args.D)
     step = fwd_bwd(sse_call(inputs, backward_head_groups=args.groups), leaves_of(inputs))
     print(f"\n### Chunk kernel configs (B={args.B}, T={args.T}, H={args.H}, D={args.D}, N=4, K=1, bf16, one f+b, "
-          f"backward_head_groups={args.groups}; {torch.cuda.get_device_name()})\n")
+          f"backward_head_groups={args.groups}, pieces of {args.pieces} chunks; {torch.cuda.get_device_name()})\n")
     breakdown(step)
     if args.kernels:
         print("| kernel | BK | BV | warps | stages | ms |")
