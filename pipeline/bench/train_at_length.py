@@ -3,6 +3,7 @@
     python -m pipeline.bench.train_at_length                       # sse-h-2b, transformer-2b; 8k, 16k, 32k (GPU)
     python -m pipeline.bench.train_at_length --lengths 300 32768 --attention varlen per-sequence
     python -m pipeline.bench.train_at_length --lengths 32768 --trace-memory   # what is alive at each peak
+    python -m pipeline.bench.train_at_length --lengths 32768 --pieces 0       # the SSE state walks never split
     python -m pipeline.bench.train_at_length --models sse-h-tiny --tokens 256 --lengths 64 256 --device cpu
 
 One optimizer step is what ``recipes/paper-2b``'s distillation does per step, on random weights: ``--accumulation``
@@ -127,7 +128,14 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace-memory", action="store_true",
                         help="after the timed steps, one traced step: what is alive at its peak, by source line")
+    parser.add_argument("--pieces", type=int, default=None,
+                        help="chunks a piece of the SSE kernels' state walks where a call splits them (0: never; "
+                             "default kernels.sse_chunk.PIECE_CHUNKS)")
     args = parser.parse_args(argv)
+    if args.pieces is not None:
+        from kernels import sse_chunk
+
+        sse_chunk.PIECE_CHUNKS = args.pieces
     from kernels.bench.bench_packed import attention_path
     from sse_model import SSEConfig, SSEForCausalLM
 
