@@ -584,9 +584,11 @@ class _Call:
 # A state walk (``_fwd_h``, ``_bwd_dh``) runs one program per state tile, segment and head, chunk after chunk,
 # so its time is one program's walk over the longest segment. Where a call has few long sequences (one 32k
 # training row: 72 programs of 512 chunks at sse-h-2b's 18 heads, fewer in a group of heads) that leaves most of
-# the GPU idle: the walk then goes in pieces of PIECE_CHUNKS chunks, all walked at once from zero, and ``_carry``
-# completes each piece's states with what enters it. Where the programs would be fewer than
-# SPLIT_BELOW_PROGRAMS_PER_SM per multiprocessor; PIECE_CHUNKS = 0 walks whole segments always.
+# the GPU idle: the walks then go in pieces of PIECE_CHUNKS chunks, all walked at once from zero, and ``_carry``
+# completes each piece's states with what enters it. A call splits where its shared walk would have fewer than
+# SPLIT_BELOW_PROGRAMS_PER_SM programs a multiprocessor (PIECE_CHUNKS = 0: never). At the 2B step on 32k rows
+# (one H200, docs/paper_scale.md) it took three head groups from 1.33x to 1.37x the Transformer's tokens/s and
+# left one group as it was.
 PIECE_CHUNKS = 64
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 
