@@ -137,6 +137,18 @@ def _segment(cu_seg, chunk_off, seg, S, NP):
 
 
 @triton.jit
+def _piece(cu_seg, chunk_off, seg0, S, NP, H0, M, MAXP, C: tl.constexpr):
+    """A walk program's place (grid axis 1: segment x piece of ``M`` chunks, ``MAXP`` a segment; axis 2: the head
+    of a group from ``H0``): segment, piece, head, the segment's rows, first chunk and state row, its chunks and
+    pieces (at least one)."""
+    pid, i_s = tl.program_id(1), tl.program_id(2)
+    seg, p = seg0 + pid // MAXP, pid % MAXP
+    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
+    n = tl.cdiv(eos - bos, C)
+    return seg, p, H0 + i_s, bos, eos, c0, srow, n, tl.maximum(tl.cdiv(n, M), 1)
+
+
+@triton.jit
 def _state_tile(i_kv, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Key / value offsets of program ``i_kv``'s ``[BK, BV]`` tile of a ``[K, V]`` state, its offsets and mask."""
     offs_k = (i_kv // NV) * BK + tl.arange(0, BK)
@@ -232,14 +244,11 @@ def _fwd_h(
     BV: tl.constexpr, NV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr,
     IEEE: tl.constexpr, PIECES: tl.constexpr,
 ):
-    # heads H0 .. H0 + HS of H (a group of them in the backward, see _backward); h holds HS heads. Grid axis 1:
-    # segment x piece (MAXP pieces of M chunks a segment; one piece of every chunk without PIECES)
-    i_kv, pid, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seg, p = seg0 + pid // MAXP, pid % MAXP
-    i_h = H0 + i_s
-    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
-    n = tl.cdiv(eos - bos, C)
-    if (p > 0) & (p * M >= n):
+    # heads H0 .. H0 + HS of H (a group of them in the backward, see _backward); h holds HS heads; without PIECES
+    # one piece of every chunk a segment
+    i_kv, i_s = tl.program_id(0), tl.program_id(2)
+    seg, p, i_h, bos, eos, c0, srow, n, pieces = _piece(cu_seg, chunk_off, seg0, S, NP, H0, M, MAXP, C)
+    if p >= pieces:
         return
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
@@ -333,12 +342,8 @@ def _bwd_dh(
     BV: tl.constexpr, NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr,
     IEEE: tl.constexpr, PIECES: tl.constexpr,
 ):
-    i_kv, pid, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seg, p = seg0 + pid // MAXP, pid % MAXP
-    i_h = H0 + i_s
-    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
-    n = tl.cdiv(eos - bos, C)
-    pieces = tl.maximum(tl.cdiv(n, M), 1)
+    i_kv, i_s = tl.program_id(0), tl.program_id(2)
+    seg, p, i_h, bos, eos, c0, srow, n, pieces = _piece(cu_seg, chunk_off, seg0, S, NP, H0, M, MAXP, C)
     if p >= pieces:
         return
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
@@ -375,12 +380,8 @@ def _carry(
     it folded in walk order (each one's end, ``piece_end``, after the entering state decayed over it,
     ``piece_decay``), decayed to each chunk (``decay_before``); the segment's last piece in walk order stores
     its final state (the final state, or the initial state's gradient)."""
-    i_kv, pid, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seg, p = seg0 + pid // MAXP, pid % MAXP
-    i_h = H0 + i_s
-    bos, eos, c0, srow = _segment(cu_seg, chunk_off, seg, S, NP)
-    n = tl.cdiv(eos - bos, C)
-    pieces = tl.maximum(tl.cdiv(n, M), 1)
+    i_kv, i_s = tl.program_id(0), tl.program_id(2)
+    seg, p, i_h, bos, eos, c0, srow, n, pieces = _piece(cu_seg, chunk_off, seg0, S, NP, H0, M, MAXP, C)
     if p >= pieces:
         return
     offs_k, offs_v, mk, mv, tile, tmask = _state_tile(i_kv, NV, K, V, BK, BV)
