@@ -37,9 +37,9 @@ CANDIDATES = {"fwd_h": SEQUENTIAL, "bwd_dh": SEQUENTIAL, "fwd_o": PER_CHUNK, "bw
               "bwd_dqkg": [replace(c, min_blocks_v=2) for c in PER_CHUNK if c.num_stages > 1]}
 
 
-def kernel_times(step, launches: dict | None = None) -> dict[str, float]:
-    """Milliseconds of CUDA time per chunk kernel in one call of ``step`` (after a warm-up call); ``launches``, if
-    given, receives each kernel's launch count, and ``"all"`` the call's wall-clock milliseconds."""
+def profile(step) -> tuple[dict[str, float], dict[str, int], float]:
+    """One call of ``step`` after a warm-up call: each chunk kernel's CUDA milliseconds and launches (the walks'
+    ``_carry`` too, which has no tile choice), and the call's wall-clock milliseconds."""
     step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,30 +49,34 @@ def kernel_times(step, launches: dict | None = None) -> dict[str, float]:
         end.record()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for event in prof.key_averages():
-        for name in CANDIDATES:
-            if event.key == "_" + name:
-                times[name] = times.get(name, 0.0) + event.device_time_total / 1e3
-                if launches is not None:
-                    launches[name] = launches.get(name, 0) + event.count
-    if launches is not None:
-        launches["all"] = start.elapsed_time(end)
-    return times
+        name = event.key[1:]
+        if name in CANDIDATES or name == "carry":
+            times[name] = times.get(name, 0.0) + event.device_time_total / 1e3
+            launches[name] = launches.get(name, 0) + event.count
+    return times, launches, start.elapsed_time(end)
+
+
+def kernel_times(step) -> dict[str, float]:
+    """Milliseconds of CUDA time per chunk kernel in one call of ``step`` (after a warm-up call)."""
+    return profile(step)[0]
 
 
 def breakdown(step) -> None:
     """Each chunk kernel's CUDA time and launches in one call under the current configs, and the call's time."""
-    counts: dict = {}
-    times = kernel_times(step, counts)
-    def config(c: KernelConfig) -> str:
-        return f"{c.block_k}, {c.block_v}, {c.num_warps}, {c.num_stages}"
+    times, launches, wall = profile(step)
+
+    def config(name: str) -> str:
+        c = sse_chunk.CONFIGS.get(name)
+        return "" if c is None else f"{c.block_k}, {c.block_v}, {c.num_warps}, {c.num_stages}"
 
     print("| kernel | BK, BV, warps, stages | launches | ms |")
     print("|---|---|---|---|")
     for name, ms in times.items():
-        print(f"| {name} | {config(sse_chunk.CONFIGS[name])} | {counts[name]} | {ms:.2f} |")
+        print(f"| {name} | {config(name)} | {launches[name]} | {ms:.2f} |")
     print(f"| chunk kernels | | | {sum(times.values()):.2f} |")
-    print(f"| the call (forward + backward, wall-clock) | | | {counts['all']:.2f} |\n", flush=True)
+    print(f"| the call (forward + backward, wall-clock) | | | {wall:.2f} |\n", flush=True)
 
 
 def main() -> None:
