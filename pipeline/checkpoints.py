@@ -21,18 +21,20 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointMarker(TrainerCallback):
-    """Writes ``checkpoint_complete.json`` (every file and its size) into a checkpoint once the trainer has
-    finished saving it: a resume trusts only checkpoints whose files are all there at those sizes. With
+    """Writes ``checkpoint_complete.json`` (every file and its size) into a checkpoint once every data-parallel
+    worker has finished saving it: a resume trusts only checkpoints whose files are all there at those sizes. With
     ``store`` (a storage URI, :mod:`pipeline.storage`) the finished checkpoint is also stored there, the newest
-    ``args.save_total_limit`` kept."""
+    ``args.save_total_limit`` kept. Given to every worker: each writes files of its own (its RNG state, FSDP's
+    shards), which the first worker collects (:func:`collect_worker_files`) before it marks the checkpoint."""
 
     def __init__(self, store: str | None = None):
         self.store = store
 
     def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        collect_worker_files(folder)
         if not state.is_world_process_zero:
             return
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             sizes = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                      if p.is_file() and p.name != COMPLETE}
@@ -41,6 +43,34 @@ class CheckpointMarker(TrainerCallback):
             os.replace(tmp, folder / COMPLETE)
             if self.store is not None:
                 store_checkpoint(folder, self.store, args.save_total_limit)
+
+
+def collect_worker_files(folder: Path) -> None:
+    """Every worker's files of a checkpoint into the first worker's ``folder`` (a collective of the default process
+    group; nothing outside data-parallel training): workers sharing a filesystem already write into one folder, so
+    only what the first worker lacks travels (on other nodes, each worker's RNG state and shards). Returns once every
+    worker has saved: the first worker marks nothing another is still writing."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    folder = Path(folder)
+    dist.barrier()  # every worker has saved: on a shared filesystem the first one's listing is then whole
+    mine = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()} \
+        if folder.is_dir() else {}
+    listings = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, listings, dst=0)
+    wanted = [None]
+    if dist.get_rank() == 0:
+        wanted = [[[name for name in listing if name not in mine] for listing in listings]]
+    dist.broadcast_object_list(wanted, src=0)
+    sent = {name: (folder / name).read_bytes() for name in wanted[0][dist.get_rank()]}
+    received = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sent, received, dst=0)
+    for files in received or ():
+        for name, data in files.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
 
 
 def _broken_file(folder: Path) -> str | None:
@@ -72,9 +102,10 @@ def _broken_file(folder: Path) -> str | None:
     return None
 
 
-def latest_complete_checkpoint(directory: Path) -> Path | None:
+def latest_complete_checkpoint(directory: Path, set_aside: bool = True) -> Path | None:
     """The newest ``checkpoint-N`` whose files are whole. A broken one (the run was killed while saving, or a
-    file was truncated later) is moved aside as ``incomplete-checkpoint-N`` with a warning naming the bad file,
+    file was truncated later) is moved aside as ``incomplete-checkpoint-N`` with a warning naming the bad file
+    (``set_aside``; else only skipped: data-parallel workers of one node read one folder, and the first moves it),
     and the one before it is used."""
     directory = Path(directory)
     if not directory.exists():
@@ -82,9 +113,14 @@ def latest_complete_checkpoint(directory: Path) -> Path | None:
     found = sorted(((int(c.name.split("-")[-1]), c) for c in directory.glob("checkpoint-*")
                     if c.is_dir() and c.name.split("-")[-1].isdigit()), reverse=True)
     for _, folder in found:
-        bad = _broken_file(folder)
+        try:
+            bad = _broken_file(folder)
+        except OSError as error:  # moved aside by another worker while read
+            bad = str(error)
         if bad is None:
             return folder
+        if not set_aside:
+            continue
         aside = folder.with_name(f"incomplete-{folder.name}")
         shutil.rmtree(aside, ignore_errors=True)
         folder.rename(aside)
@@ -96,9 +132,11 @@ def resume_point(store: str | None, out_dir: Path) -> Path | None:
     """A training stage's checkpoint to resume from: the newest complete one in ``out_dir/checkpoints``, fetched
     first from ``store`` (where the stage stores its checkpoints, None without storage) when this node has none as
     new."""
+    from .distributed import is_main_process
+
     if store is not None:
         fetch_latest_checkpoint(store, Path(out_dir) / "checkpoints")
-    return latest_complete_checkpoint(Path(out_dir) / "checkpoints")
+    return latest_complete_checkpoint(Path(out_dir) / "checkpoints", set_aside=is_main_process())
 
 
 def write_error(error: BaseException, folder: Path) -> OSError:
@@ -130,14 +168,15 @@ def writing(folder: Path):
         raise
 
 
-def save_final(model, tokenizer, directory: Path, info: dict) -> Path:
-    """Writes the stage's final model to ``directory`` atomically (temp dir + rename) with a done marker."""
+def save_final(model, tokenizer, directory: Path, info: dict, state_dict: dict | None = None) -> Path:
+    """Writes the stage's final model to ``directory`` atomically (temp dir + rename) with a done marker;
+    ``state_dict``: its weights where the model holds only a shard of them (FSDP, gathered by the trainer)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writing(tmp):
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, state_dict=state_dict)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             (tmp / DONE).write_text(json.dumps(info, indent=2))

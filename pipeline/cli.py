@@ -6,6 +6,8 @@
     sse-pipeline eval paper-2b --checkpoint runs/x/grpo/final
     sse-pipeline run paper-2b --address ray://head:10001   on an existing Ray cluster
     sse-pipeline config paper-2b grpo.steps=50          the resolved, validated recipe (runs nothing)
+    sse-pipeline config paper-2b --gpus 4               ... and where each stage would run on 4 GPUs
+    sse-pipeline run paper-2b --gpus 2                  on 2 of the machine's GPUs (the same batches)
     sse-pipeline recipes                                the built-in recipes
     sse-pipeline models fetch smollm2-135m              download a known pretrained model into the local cache
     sse-pipeline compare sse=runs/a tf=runs/b           finished runs side by side (markdown table and plot)
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     config = commands.add_parser("config", help="print the resolved, validated recipe and run nothing")
     config.add_argument("recipe", help="a recipe file, or a built-in recipe name")
     config.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=50")
+    config.add_argument("--gpus", type=int, default=None, help="also print where each stage would run on this many "
+                                                               "GPUs (0: CPU only)")
     commands.add_parser("recipes", help="list the built-in recipes")
     models = commands.add_parser("models", help="known pretrained models: list, or fetch into the local cache")
     models.add_argument("action", choices=("list", "fetch"))
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=50")
         sub.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
         sub.add_argument("--checkpoint", default=None, help="start the stage from this model directory")
+        sub.add_argument("--gpus", type=int, default=None, help="GPUs to run on (ray.num_gpus; default: every GPU "
+                                                                "of the machine); the recipe's batches stay the same")
     demo = commands.add_parser("demo", help="the tiny CPU demo: all three stages in a few minutes")
     demo.add_argument("overrides", nargs="*", help="key=value overrides of recipes/demo.yaml")
     demo.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
@@ -137,6 +143,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), end="")
+        if args.gpus is not None:
+            import os
+
+            from .placement import plan
+            from .run import STAGES, stage_runs
+
+            stages = tuple(s for s in STAGES if stage_runs(recipe, s))
+            try:
+                print("# " + plan(recipe, args.gpus, os.cpu_count() or 1).describe(stages).replace("\n", "\n# "))
+            except RecipeError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -144,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     from .run import STAGES, run_recipe
 
     stages = STAGES if args.command in ("run", "demo") else (args.command,)
+    overrides = [*args.overrides, *([f"ray.num_gpus={args.gpus}"] if getattr(args, "gpus", None) is not None else [])]
     try:
-        recipe = load_recipe("demo" if args.command == "demo" else args.recipe, args.overrides)
+        recipe = load_recipe("demo" if args.command == "demo" else args.recipe, overrides)
         report = run_recipe(recipe, stages, address=args.address, checkpoint=getattr(args, "checkpoint", None),
                             redo=tuple(args.redo))
     except (RecipeError, RunLockedError) as err:

@@ -81,12 +81,27 @@ def run_data_parallel(fn: Callable, args: tuple, options: list[dict], what: str)
                 env["LOCAL_RANK"] = str(visible.index(gpus[0]))
             envs.append(env)
         futures = [w.run.remote(fn, env, *args) for w, env in zip(workers, envs)]
+        pending = list(futures)
         try:
-            return ray.get(futures)[0]
+            while pending:  # the first worker to fail stops the stage: the others would wait in a collective
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+            return ray.get(futures[0])
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
             raise RuntimeError(
                 f"{what}: a data-parallel training worker failed ({type(error).__name__}); the stage stopped. "
-                f"Re-run the recipe to resume from its last complete checkpoint. Cause: {error}") from error
+                f"Run `{rerun_command()}` again to resume from its last complete checkpoint (on any number of GPUs "
+                f"that divides the batch). Cause: {error}") from error
     finally:
         for w in workers:
             ray.kill(w)
+
+
+def rerun_command() -> str:
+    """The command line this driver was started with, as a user would type it again."""
+    import shlex
+    import sys
+
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "sse-pipeline"
+    program = "sse-pipeline" if program in ("cli.py", "__main__.py") else program
+    return shlex.join([program, *sys.argv[1:]])

@@ -195,17 +195,51 @@ def precision_name(recipe, device: torch.device) -> str:
     return ("bf16-mixed" if autocast_bf16(recipe, device) else "fp32") + " (float32 master weights and optimizer)"
 
 
-def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict:
-    """The training arguments distillation and GRPO share (TRL's ``SFTConfig`` / ``GRPOConfig`` keys): where
-    checkpoints and TensorBoard logs go, precision, seeds and determinism, checkpointing and logging cadence."""
+def training_device(recipe) -> torch.device:
+    """This process's training device: on CUDA the GPU its ``LOCAL_RANK`` picks (a data-parallel worker sees every
+    training GPU of its node, :mod:`pipeline.distributed`), made current, so that nothing of it lands on GPU 0."""
+    device = resolve_device(recipe.device)
+    if device.type != "cuda":
+        return device
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
+# FSDP's share of a GPU: training state (float32 weights, gradients, two AdamW moments: 16 bytes a trainable
+# parameter) above this fraction of one GPU's memory leaves too little for a long row's activations under DDP
+FSDP_STATE_FRACTION = 0.4
+
+
+def uses_fsdp(recipe, model, device: torch.device, workers: int) -> bool:
+    """Whether training shards the model over its ``workers`` (``recipe.sharding``; auto: FSDP where a whole copy's
+    training state would take more than :data:`FSDP_STATE_FRACTION` of the GPU). Every worker decides alike."""
+    if recipe.sharding == "ddp" or workers < 2 or device.type != "cuda":
+        if recipe.sharding == "fsdp" and (workers < 2 or device.type != "cuda"):
+            logger.warning("sharding: fsdp needs two or more GPU workers (accelerate shards on GPUs only); this stage "
+                           "has %d on %s, so each holds the whole model", workers, device.type)
+        return False
+    if recipe.sharding == "fsdp":
+        return True
+    state = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return state > FSDP_STATE_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+
+def trainer_options(recipe, stage_config, out_dir, device: torch.device, batch, fsdp: bool = False) -> dict:
+    """The training arguments alignment, distillation and GRPO share (TRL's ``SFTConfig`` / ``GRPOConfig`` keys):
+    where checkpoints and TensorBoard logs go, the micro-batch and accumulation of this process (``batch``,
+    :class:`pipeline.placement.Batching`), precision, seeds and determinism, data parallelism (DDP, or FSDP2 with
+    ``fsdp``), checkpointing and logging cadence."""
     # transformers' TensorBoard callback reads its folder from the environment (``logging_dir`` is deprecated)
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")
-    return dict(
+    # alignment has none: its student runs only the SSE layers, on the teacher's inputs
+    checkpointing = getattr(stage_config, "gradient_checkpointing", False)
+    options = dict(
         output_dir=str(out_dir / "checkpoints"),
         learning_rate=stage_config.learning_rate,
-        gradient_accumulation_steps=stage_config.gradient_accumulation_steps,
-        # alignment has none: its student runs only the SSE layers, on the teacher's inputs
-        gradient_checkpointing=getattr(stage_config, "gradient_checkpointing", False),
+        per_device_train_batch_size=batch.micro,
+        gradient_accumulation_steps=batch.accumulation,
+        gradient_checkpointing=checkpointing and not fsdp,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=stage_config.logging_steps,
         save_steps=stage_config.save_steps,
@@ -218,7 +252,25 @@ def trainer_options(recipe, stage_config, out_dir, device: torch.device) -> dict
         full_determinism=recipe.deterministic,
         dataloader_num_workers=0,
         disable_tqdm=in_ray_worker(),
+        ddp_find_unused_parameters=False,  # every parameter takes part in every forward: no extra graph traversal
     )
+    if fsdp:  # FSDP2 through accelerate: a unit per block; checkpointing as FSDP's own wrapper (not transformers')
+        from sse_model import SSEForCausalLM
+
+        options.update(fsdp=True, fsdp_config={
+            "version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": list(SSEForCausalLM._no_split_modules),
+            # checkpoints as DCP shards, which load on any number of workers
+            "state_dict_type": "SHARDED_STATE_DICT", "activation_checkpointing": checkpointing})
+    return options
+
+
+def fsdp_precision(args) -> None:
+    """Under FSDP2 with bf16: bf16 parameters for the forward (gathered in bf16) but gradients reduced in float32
+    over the float32 sharded masters, as verl does (accelerate's default reduces in bf16)."""
+    if getattr(args, "fsdp_plugin_args", None) and args.bf16:
+        args.fsdp_plugin_args["mixed_precision_policy"] = {
+            "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.bfloat16}
 
 
 def engine_options(recipe, engine_config, max_model_len: int) -> dict:

@@ -107,11 +107,13 @@ class DistillConfig:
     lr_scheduler: str = "cosine"  # one of transformers' SchedulerType values (checked in validate)
     warmup_ratio: float = bounded(0.03, ge=0, le=1)
     weight_decay: float = bounded(0.0, ge=0)
-    batch_size: int = bounded(8, ge=1)  # rows per micro-step over all workers (each takes batch_size / num_workers)
-    gradient_accumulation_steps: int = bounded(1, ge=1)
+    batch_size: int = bounded(8, ge=1)  # rows per optimizer step, over all workers together (the global batch)
+    # rows one worker runs through one forward (a memory setting); the rest is accumulated. None: a worker's whole
+    # share of the batch at once. How many workers share the batch is where the run is (pipeline/placement.py)
+    micro_batch_size: int | None = bounded(None, ge=1)
     max_length: int = bounded(32768, ge=1)
     packing: bool = True
-    num_workers: int = bounded(1, ge=1)  # data-parallel training processes: one per GPU (CPU: cores shared)
+    num_workers: int | None = bounded(None, ge=1)  # data-parallel processes; None: one per GPU (1 on CPU)
     gradient_checkpointing: bool = False
     # converted models: the source Transformer's next-token distributions as a second target, weighted teacher_kl:
     # loss = (1 - teacher_kl) * CE + teacher_kl * T^2 * KL(teacher_T || student_T) (0: supervised only)
@@ -131,13 +133,13 @@ class AlignConfig:
     data: DataSpec | None = None  # default: distill.data
     train: str = bounded("all", choices=("new", "all"))  # see sse_model.align.TRAINABLE
     steps: int = bounded(300, ge=1)
-    batch_size: int = bounded(8, ge=1)  # packed rows per micro-step
+    batch_size: int = bounded(8, ge=1)  # packed rows per optimizer step
+    micro_batch_size: int | None = bounded(None, ge=1)  # packed rows per forward; None: the whole batch
     max_length: int = bounded(2048, ge=16)  # tokens per packed row
     learning_rate: float = bounded(1e-3, gt=0)
     lr_scheduler: str = "cosine"
     warmup_ratio: float = bounded(0.05, ge=0, le=1)
     weight_decay: float = bounded(0.0, ge=0)
-    gradient_accumulation_steps: int = bounded(1, ge=1)
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(100, ge=1)
     save_total_limit: int | None = bounded(2, ge=1)
@@ -213,13 +215,16 @@ class GRPOStageConfig:
     # (default: the padded micro-batch's size); padding_free: false is TRL's padded pass
     padding_free: bool = True
     max_tokens_per_microbatch: int | None = bounded(None, ge=1)
-    gradient_accumulation_steps: int = bounded(1, ge=1)
+    # rollouts one trainer worker runs through one forward and backward (a memory setting); the rest of an optimizer
+    # step's rollouts are accumulated. None: a worker's whole share of the step at once
+    micro_batch_size: int | None = bounded(None, ge=1)
     gradient_checkpointing: bool = False
     rewards: RewardConfig = field(default_factory=RewardConfig)
-    num_engines: int = bounded(1, ge=1)  # per trainer worker
-    num_workers: int = bounded(1, ge=1)  # data-parallel trainer processes, each with its own engines
-    # colocated: trainer and engines on one GPU (engines sleep while it trains); split: a GPU each; auto: by GPUs
+    # colocated: a trainer worker on every GPU, its engines beside it (sleeping while it trains); split: trainers and
+    # engines on GPUs of their own; auto: colocated (pipeline/placement.py)
     placement: str = bounded("auto", choices=("auto", "colocated", "split"))
+    num_workers: int | None = bounded(None, ge=1)  # data-parallel trainer processes; None: by placement and GPUs
+    num_engines: int | None = bounded(None, ge=1)  # rollout engines per trainer worker; None: by placement and GPUs
     max_engine_restarts: int = bounded(3, ge=0)  # dead rollout engines replaced (requests resubmitted) per stage
     engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
     # trainer -> engines: through Ray's object store, broadcast over a process group (NCCL when the engines have
@@ -246,7 +251,7 @@ class EvalStageConfig:
     # whose models to score: "last" the model the run hands on (into eval/), and any of the training stages'
     # final models or the "initial" one before training (each into eval/<name>/), so a run reports every step
     models: list = field(default_factory=lambda: ["last"])
-    num_workers: int = bounded(1, ge=1)
+    num_workers: int | None = bounded(None, ge=1)  # generation workers, each a shard; None: one per GPU (1 on CPU)
     backend: str = bounded("engine", choices=("engine", "hf"))  # the rollout engine or model.generate
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -277,7 +282,8 @@ STAGE_SETTINGS = {
 ENGINE_CAPACITY = ("max_slots", "memory_budget_gb", "prefill_chunk_size", "block_size", "use_cuda_graphs", "overlap",
                    "sleep", "refill_fraction")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
-               "grpo.num_workers", "distill.num_workers", "eval.models",
+               "grpo.num_workers", "grpo.num_engines", "grpo.micro_batch_size", "distill.num_workers",
+               "distill.micro_batch_size", "align.micro_batch_size", "eval.models", "eval.num_workers",
                *(f"{stage}.engine.{key}" for stage in ("grpo", "eval") for key in ENGINE_CAPACITY))
 
 
@@ -314,6 +320,10 @@ class Recipe:
     # order the GPU finishes them); it may cost speed, so off by default. Changes no stage's result in
     # expectation: a re-run may flip it
     deterministic: bool = False
+    # how data-parallel training workers hold the model: ddp (a whole copy each, gradients all-reduced) or fsdp
+    # (FSDP2 through accelerate: parameters, gradients and optimizer state sharded over the workers, gathered a
+    # layer at a time); auto: fsdp where one copy's training state would not fit a GPU (pipeline/models.py)
+    sharding: str = bounded("auto", choices=("auto", "ddp", "fsdp"))
     # where stages hand models on when nodes share no filesystem: a folder or a pyarrow.fs URI (s3://...)
     storage: str | None = None
     # names this run's entries in storage (default: a hash of each stage's settings): runs of one recipe with
@@ -359,9 +369,6 @@ class Recipe:
         if self.distill.teacher_kl and m.convert_from is None:
             fail("distill.teacher_kl", "the teacher is the Transformer the recipe converts: set model.convert_from, "
                  "or teacher_kl: 0")
-        if self.distill.batch_size % self.distill.num_workers:
-            fail("distill.num_workers", f"{self.distill.num_workers} workers do not divide distill.batch_size="
-                                        f"{self.distill.batch_size} (each worker takes an equal share of the batch)")
         for section in ("align", "distill"):
             scheduler = getattr(self, section).lr_scheduler
             if scheduler not in _schedulers():
@@ -371,14 +378,14 @@ class Recipe:
         g = self.grpo
         if g.prompts_per_batch % g.mini_batches:
             fail("grpo.mini_batches", f"must divide grpo.prompts_per_batch ({g.prompts_per_batch}), got {g.mini_batches}")
-        rows = g.prompts_per_batch // g.mini_batches * g.num_generations
-        if rows % g.gradient_accumulation_steps:
-            fail("grpo.gradient_accumulation_steps", f"must divide the {rows} completions of a mini-batch "
-                 f"(prompts_per_batch / mini_batches * num_generations), got {g.gradient_accumulation_steps}")
-        if g.prompts_per_batch % g.num_workers or rows % (g.gradient_accumulation_steps * g.num_workers):
-            fail("grpo.num_workers", f"{g.num_workers} workers must divide grpo.prompts_per_batch "
-                 f"({g.prompts_per_batch}; each generates whole groups) and the {rows} completions of a mini-batch "
-                 f"into gradient_accumulation_steps ({g.gradient_accumulation_steps}) micro-batches each")
+        from .placement import align_batching, distill_batching, grpo_batching
+
+        try:  # with the workers the recipe names (1 if it names none); the GPUs a run has are checked at its start
+            distill_batching(self, self.distill.num_workers or 1)
+            align_batching(self)
+            grpo_batching(self, self.grpo.num_workers or 1)
+        except RecipeError as error:
+            raise RecipeError(f"{where}: {error}") from None
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
         r = g.rewards
@@ -395,9 +402,9 @@ class Recipe:
                  f"{g.loss_type!r}: a short batch is filled with groups masked out of the loss, which {g.loss_type} "
                  "counts in its normalisation (the step shrinks by the informative fraction); or set "
                  "grpo.dynamic_sampling: false")
-        if g.weight_sync == "cuda_ipc" and g.engine.backend != "sse":
-            fail("grpo.weight_sync", "cuda_ipc hands the weights to this package's engine (grpo.engine.backend: sse); "
-                 "vLLM's engine runs in processes of its own: use object_store")
+        if g.weight_sync in ("cuda_ipc", "broadcast") and g.engine.backend != "sse":
+            fail("grpo.weight_sync", f"{g.weight_sync} hands the weights to this package's engine (grpo.engine.backend:"
+                 " sse); vLLM's engine runs its model in processes of its own: use object_store")
         for stage, engine in (("grpo", g.engine), ("eval", self.eval.engine)):
             if engine.residual_dtype is not None and engine.backend != "sse":
                 fail(f"{stage}.engine.residual_dtype", f"is an option of this package's engine (backend: sse); "
@@ -480,6 +487,12 @@ def _convert(value, tp, key: str, where: str):
     return value
 
 
+# keys a recipe no longer takes, and what replaced them
+REMOVED = {"gradient_accumulation_steps": "the accumulation follows from batch_size (rows per optimizer step, all "
+                                         "workers together), micro_batch_size (rows per forward on one worker) and "
+                                         "the workers the run has (pipeline/placement.py)"}
+
+
 def build(cls, data: dict, where: str, prefix: str = ""):
     """``cls(**data)`` with every key and type checked."""
     hints = typing.get_type_hints(cls)
@@ -487,6 +500,8 @@ def build(cls, data: dict, where: str, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names and key in REMOVED:
+            raise RecipeError(f"{where}: {path}: no longer a recipe key: {REMOVED[key]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"

@@ -22,7 +22,7 @@ from .distributed import is_main_process, run_data_parallel, world
 from .lock import RunLock
 from .metrics import first_last_means, read_metrics
 from .models import engine_options, load_model, precision_name, resolve_device
-from .placement import GRPOPlacement, plan_grpo, reserve
+from .placement import GRPOPlacement, Plan, cluster_plan, reserve
 from .recipe import Recipe, RecipeError, recipe_to_dict, stage_settings
 from .storage import is_stored, materialize, set_aside, upload
 
@@ -110,23 +110,6 @@ def init_ray(recipe: Recipe, address: str | None = None) -> None:
                  ignore_reinit_error=True, logging_level=logging.WARNING)
 
 
-def placement(recipe: Recipe) -> dict:
-    """Ray resources of each stage's processes (GRPO's: :func:`pipeline.placement.plan_grpo`)."""
-    gpus = int(ray.cluster_resources().get("GPU", 0)) if resolve_device(recipe.device).type == "cuda" else 0
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    whole = {"num_cpus": cpus if gpus == 0 else 1, "num_gpus": min(gpus, 1)}  # distill, single-worker eval
-    workers = recipe.distill.num_workers
-    if gpus and workers > gpus:
-        raise ValueError(f"distill.num_workers={workers} needs {workers} GPUs (one per worker); the cluster has {gpus}")
-    if not gpus and workers > cpus:  # Ray would wait for the cores forever, printing nothing
-        raise ValueError(f"distill.num_workers={workers} needs {workers} CPUs (one per worker) on a cluster without "
-                         f"GPUs; it has {cpus} (ray.num_cpus)")
-    # a data-parallel training worker: a GPU each, or an equal share of the cores
-    train_worker = {"num_cpus": 1, "num_gpus": 1} if gpus else {"num_cpus": max(1, cpus // workers), "num_gpus": 0}
-    grpo = plan_grpo(recipe.grpo.placement, gpus, cpus, recipe.grpo.num_engines, recipe.grpo.num_workers)
-    return {"whole": whole, "train_worker": train_worker, "grpo": grpo, "eval_gpus": 1 if gpus else 0}
-
-
 def _task_setup():
     """Every stage task: torch threads for the CPUs Ray gave it, and none of the warnings we have dealt with
     (transformers' v6 renames of arguments TRL still passes by the old names; TRL's notice that
@@ -182,14 +165,11 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
     cfg = recipe.grpo
     engine_resources, colocated = plan.engine, plan.colocated
     sync = cfg.weight_sync
-    if sync == "broadcast":
-        if colocated:
-            raise RecipeError("grpo.weight_sync: broadcast needs engines on GPUs of their own (NCCL pairs one process "
-                              "per GPU); with the engines on the trainer's GPU use object_store")
+    if sync == "broadcast":  # (a colocated broadcast is refused before the stages start: check_weight_sync)
         sync = "nccl" if engine_resources.get("num_gpus", 0) >= 1 else "gloo"
 
-    def fleet_factory(_local_copy):  # the engines read the model where it is kept: stored, on any node
-        return EngineFleet(start_from, None, num_engines=cfg.num_engines, max_restarts=cfg.max_engine_restarts,
+    def fleet_factory():  # the engines read the model where it is kept: stored, on any node
+        return EngineFleet(start_from, None, num_engines=plan.engines, max_restarts=cfg.max_engine_restarts,
                            weight_sync=sync,
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            device=resolve_device(recipe.device).type,
@@ -210,7 +190,7 @@ class _Generator:
         _task_setup()
         self.served = 0
 
-    def generate(self, recipe: Recipe, out_dir: str, checkpoint: str, eval_gpus: float) -> tuple[str, int]:
+    def generate(self, recipe: Recipe, out_dir: str, checkpoint: str, workers: int, eval_gpus: float) -> tuple[str, int]:
         """Generations of one model; returns the node that holds them (where they are scored) and how many models
         this process has generated for, this one included."""
         import gc
@@ -219,7 +199,7 @@ class _Generator:
 
         from .stages.evaluate import generate_all
 
-        generate_all(recipe, Path(out_dir), checkpoint, eval_gpus if recipe.eval.num_workers > 1 else 0)
+        generate_all(recipe, Path(out_dir), checkpoint, workers, eval_gpus if workers > 1 else 0)
         gc.collect()  # the engine's cycles (its CUDA graphs and state pools) before the cache is emptied
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -333,13 +313,10 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 checkpoint: str | None, redo: tuple[str, ...]) -> Path:
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     init_ray(recipe, address)
-    where = placement(recipe)
-    logger.info("ray resources %s; placement %s", ray.cluster_resources(), where)
-    if "grpo" in stages and stage_runs(recipe, "grpo") and recipe.grpo.weight_sync == "cuda_ipc" \
-            and not where["grpo"].colocated:  # refused before any stage runs
-        raise RecipeError(f"grpo.weight_sync: cuda_ipc opens the trainer's GPU memory in engines on the same GPU "
-                          f"(grpo.placement colocated); this run places them {where['grpo'].mode}: use broadcast "
-                          "for engines on GPUs of their own, object_store on CPU")
+    where = cluster_plan(recipe)
+    logger.info("%s", where.describe(tuple(s for s in stages if stage_runs(recipe, s))))
+    if "grpo" in stages and stage_runs(recipe, "grpo"):  # refused before any stage runs
+        check_weight_sync(recipe, where)
     # a local path or a stored URI (never a Path: "s3://")
     current = str(checkpoint) if checkpoint else starting_model(recipe, out, stages)
     started = time.time()
@@ -354,25 +331,25 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         if stage == "align":
             start = _stored(recipe, current, "align") if current else None
             _record_start(stage_dir, start)
-            current = ray.get(ray.remote(**where["whole"])(_align_task).remote(recipe, str(stage_dir), start))
+            current = ray.get(ray.remote(**where.whole)(_align_task).remote(recipe, str(stage_dir), start))
         elif stage == "distill":
             start = _stored(recipe, current, "distill") if current else None
             _record_start(stage_dir, start)
-            if recipe.distill.num_workers > 1:
+            if where.distill.workers > 1:
                 current = run_data_parallel(_distill_task, (recipe, str(stage_dir), start),
-                                            [where["train_worker"]] * recipe.distill.num_workers, "distill")
+                                            [where.train_worker] * where.distill.workers, "distill")
             else:
-                task = ray.remote(**where["whole"])(_distill_task)
+                task = ray.remote(**where.whole)(_distill_task)
                 current = ray.get(task.remote(recipe, str(stage_dir), start))
         elif stage == "grpo":
             start_from = _stored(recipe, current or initial_checkpoint(recipe, out), "grpo")
             _record_start(stage_dir, start_from)
-            plan = where["grpo"]
+            plan = where.grpo
             group = reserve(plan)
             try:
                 args = (recipe, str(stage_dir), str(start_from), plan, group)
-                if recipe.grpo.num_workers > 1:
-                    options = [plan.trainer_options(group, r) for r in range(recipe.grpo.num_workers)]
+                if plan.workers > 1:
+                    options = [plan.trainer_options(group, r) for r in range(plan.workers)]
                     current = run_data_parallel(_grpo_task, args, options, "grpo")
                 else:
                     current = ray.get(ray.remote(**plan.trainer_options(group, 0))(_grpo_task).remote(*args))
@@ -382,7 +359,7 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         elif stage == "eval":
             from .stages.evaluate import generated_already
 
-            generator = ray.remote(**(where["whole"] if recipe.eval.num_workers <= 1 else {"num_cpus": 1}))(_Generator)
+            generator = ray.remote(**(where.whole if where.eval_workers <= 1 else {"num_cpus": 1}))(_Generator)
             one_model_each = recipe.eval.backend == "engine" and recipe.eval.engine.backend == "vllm"  # one engine a process
             score = ray.remote(num_cpus=1)(_score_task)
             scoring, worker = [], None  # each model is scored (CPU) while the GPU generates for the next
@@ -401,7 +378,8 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                             if worker is not None:
                                 ray.kill(worker)
                             worker = generator.remote()
-                        node, served = ray.get(worker.generate.remote(recipe, model_dir, location, where["eval_gpus"]))
+                        node, served = ray.get(worker.generate.remote(recipe, model_dir, location, where.eval_workers,
+                                                                      where.eval_gpus))
                         logger.info("eval: %s: generations in %.0f s (loading and engine included; the worker's model "
                                     "%d)", name, time.time() - began, served)
                     on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
@@ -413,6 +391,18 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         timings[stage] = time.time() - stage_start
     report = write_report(recipe, out, timings, time.time() - started)
     return report
+
+
+def check_weight_sync(recipe: Recipe, where: Plan) -> None:
+    """Refuses a ``grpo.weight_sync`` the run's placement cannot serve, before any stage runs."""
+    sync, mode = recipe.grpo.weight_sync, where.grpo.mode
+    if sync == "cuda_ipc" and mode != "colocated":
+        raise RecipeError(f"grpo.weight_sync: cuda_ipc opens the trainer's GPU memory in engines on the same GPU "
+                          f"(grpo.placement colocated); this run places them {mode}: use broadcast for engines on "
+                          "GPUs of their own, object_store on CPU")
+    if sync == "broadcast" and mode == "colocated":
+        raise RecipeError("grpo.weight_sync: broadcast needs engines on GPUs of their own (NCCL pairs one process per "
+                          "GPU); with the engines on the trainer's GPU use cuda_ipc or object_store")
 
 
 def _record_start(stage_dir: Path, start: str | None) -> None:

@@ -12,6 +12,7 @@ other contents (other weights of one architecture) is never taken for the stored
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -139,13 +140,18 @@ def materialize(location: str | Path) -> Path:
     uri = str(location)
     marker = _complete(uri)[2]
     local = cache_root() / hashlib.sha1(uri.encode()).hexdigest()[:16]
-    if (local / MARKER).exists() and json.loads((local / MARKER).read_text()) == marker:
-        return local
-    tmp = local.with_name(f"{local.name}.partial-{os.getpid()}")
-    _download(uri, tmp)
-    (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-    shutil.rmtree(local, ignore_errors=True)
-    os.replace(tmp, local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    # the processes of one node (data-parallel workers, engines) share its cache: one fetches, the others wait for
+    # it and take its copy, and none replaces a copy another is reading
+    with open(local.with_name(local.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (local / MARKER).exists() and json.loads((local / MARKER).read_text()) == marker:
+            return local
+        tmp = local.with_name(f"{local.name}.partial-{os.getpid()}")
+        _download(uri, tmp)
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        shutil.rmtree(local, ignore_errors=True)
+        os.replace(tmp, local)
     logger.info("fetched %s into %s", uri, local)
     return local
 

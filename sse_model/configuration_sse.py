@@ -312,6 +312,15 @@ PRESETS: dict[str, dict] = {
         num_sparse_partitions=4, num_writers=1, num_readers=1, lora_rank=64, rope_theta=1e6,
         max_position_embeddings=32768,
     ),
+    # a ~7B SSE-H for sharded training (FSDP) measurements: Qwen2.5-7B's shape (28 layers x 3584, MLP 18,944, GQA
+    # attention layers of 4 KV heads) with the paper's SSE layers (full-width K/V, n4k1, LoRA 64); 8.19B parameters,
+    # 131 GB of float32 training state (weights, gradients, AdamW): more than any one GPU holds
+    "sse-h-7b": dict(
+        vocab_size=151936, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        mixer_types=hybrid_mixer_types(28), num_heads=28, head_dim=128, num_attention_heads=28, num_key_value_heads=4,
+        num_sparse_partitions=4, num_writers=1, num_readers=1, lora_rank=64, rope_theta=1e6,
+        max_position_embeddings=32768,
+    ),
     "sse-2b": dict(
         vocab_size=151936, hidden_size=2304, num_hidden_layers=18, mixer_types=["sse"] * 18,
         num_heads=18, head_dim=128, num_attention_heads=18, num_sparse_partitions=4, lora_rank=64,

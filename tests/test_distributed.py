@@ -38,7 +38,7 @@ def test_two_data_parallel_workers_train_like_one_process(tmp_path):
 
 
 def test_workers_must_divide_the_batch():
-    with pytest.raises(RecipeError, match="distill.num_workers: 3 workers do not divide distill.batch_size=32"):
+    with pytest.raises(RecipeError, match="distill.batch_size: 32 rows a step do not divide over 3 workers"):
         load_recipe("demo", ["distill.num_workers=3"])
 
 
@@ -183,26 +183,29 @@ def test_a_rerun_elsewhere_resumes_from_stored_checkpoints(tmp_path):
 
 
 def test_grpo_placement_reserves_the_gpus_together():
-    """On a cluster of 3 (logical) GPUs: colocated puts the trainer and both engines on one GPU, split gives
-    each its own; the placement group reserves them before anything starts; impossible plans are refused."""
+    """On a cluster of 3 (logical) GPUs: colocated puts a trainer and its engine on one GPU, split gives each its
+    own; the placement group reserves them before anything starts; impossible plans are refused."""
     ray = pytest.importorskip("ray")
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from pipeline.placement import plan_grpo, reserve
 
-    with pytest.raises(ValueError, match="needs 3 GPUs"):
+    with pytest.raises(RecipeError, match="needs 3 GPUs"):
         plan_grpo("split", gpus=2, cpus=4, num_engines=2)
-    with pytest.raises(ValueError, match="this cluster has none"):
+    with pytest.raises(RecipeError, match="this cluster has none"):
         plan_grpo("colocated", gpus=0, cpus=4, num_engines=1)
     # on CPUs, workers that cannot all be placed hung with no output: refused, naming what is needed and what exists
-    with pytest.raises(ValueError, match=r"grpo.num_workers=2 with grpo.num_engines=1 each needs 4 CPUs.*it has 2"):
+    with pytest.raises(RecipeError, match=r"grpo.num_workers=2 with grpo.num_engines=1 each needs 4 CPUs.*it has 2"):
         plan_grpo("auto", gpus=0, cpus=2, num_engines=1, num_workers=2)
+    # two engines on one GPU each planned their memory from what the other left
+    with pytest.raises(RecipeError, match="grpo.num_engines=2: colocated engines share their trainer's GPU"):
+        plan_grpo("auto", gpus=1, cpus=4, num_engines=2)
     assert plan_grpo("auto", gpus=0, cpus=4, num_engines=1, num_workers=2).mode == "cpu"
-    assert plan_grpo("auto", gpus=1, cpus=4, num_engines=2).mode == "colocated"
-    assert plan_grpo("auto", gpus=4, cpus=4, num_engines=2).mode == "split"
+    assert plan_grpo("auto", gpus=4, cpus=4).mode == "colocated"  # every GPU: a trainer and its engine on each
+    assert plan_grpo("auto", gpus=4, cpus=4, num_workers=1).mode == "split"
     two = plan_grpo("split", gpus=6, cpus=8, num_engines=2, num_workers=2)  # trainers first, then their engines
     assert two.trainer_bundles == [0, 1] and two.engine_bundles == [[2, 3], [4, 5]]
-    assert plan_grpo("auto", gpus=2, cpus=8, num_engines=1, num_workers=2).engine_bundles == [[0], [1]]
+    assert plan_grpo("auto", gpus=2, cpus=8).engine_bundles == [[0], [1]]
 
     if ray.is_initialized():
         ray.shutdown()
@@ -213,8 +216,8 @@ def test_grpo_placement_reserves_the_gpus_together():
             def gpus(self):
                 return ray.get_gpu_ids()
 
-        for mode in ("colocated", "split"):
-            plan = plan_grpo(mode, gpus=3, cpus=4, num_engines=2)
+        for mode, workers in (("colocated", 1), ("split", 1)):
+            plan = plan_grpo(mode, gpus=3, cpus=4, num_workers=workers)
             group = reserve(plan)
             trainer = Probe.options(**plan.trainer_options(group, 0)).remote()
             engines = [Probe.options(**plan.engine, scheduling_strategy=PlacementGroupSchedulingStrategy(group, b))
@@ -222,6 +225,7 @@ def test_grpo_placement_reserves_the_gpus_together():
             ids = [tuple(ray.get(p.gpus.remote())) for p in (trainer, *engines)]
             assert all(len(i) == 1 for i in ids), ids
             assert len(set(ids)) == (1 if mode == "colocated" else 3), (mode, ids)
+            assert len(engines) == (1 if mode == "colocated" else 2)
             for p in (trainer, *engines):
                 ray.kill(p)
             ray.util.remove_placement_group(group)
@@ -261,5 +265,199 @@ def test_grpo_trains_on_two_data_parallel_workers_each_with_its_engine(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert (tmp_path / "grpo" / "engines.json").exists() and (tmp_path / "grpo" / "engines-worker1.json").exists()
     assert (tmp_path / "grpo" / "final" / "config.json").exists()
-    with pytest.raises(RecipeError, match="grpo.num_workers: 3 workers must divide grpo.prompts_per_batch"):
+    with pytest.raises(RecipeError, match="grpo.prompts_per_batch: 8 prompts do not divide over 3 trainer workers"):
         load_recipe("demo", ["grpo.num_workers=3"])
+
+
+def test_the_paper_recipe_is_one_experiment_on_any_number_of_gpus():
+    """recipes/paper-2b fixes an optimizer step (16 packed rows; 64 rollouts); the GPUs decide how many workers share
+    it, every GPU used by default (it refused a second GPU for distillation); what cannot divide is refused naming
+    the key and the GPUs."""
+    from pipeline.placement import plan
+
+    recipe = load_recipe("paper-2b")
+    for gpus in (1, 2, 4, 8):
+        where = plan(recipe, gpus, cpus=64)
+        d, g = where.distill, where.grpo_batching
+        assert (d.rows, d.micro, d.workers, d.micro * d.accumulation * d.workers) == (16, 1, gpus, 16)
+        assert (g.rows, g.micro, g.workers, g.micro * g.accumulation * g.workers) == (64, 2, gpus, 64)
+        assert where.grpo.mode == "colocated" and len(where.grpo.bundles) == gpus and where.eval_workers == gpus
+    split = plan(load_recipe("paper-2b", ["grpo.placement=split"]), 4, cpus=64).grpo
+    assert (split.workers, split.engines, len(split.bundles)) == (1, 3, 4)  # a trainer GPU, three engine GPUs
+    with pytest.raises(RecipeError, match=r"distill.batch_size: 16 rows a step do not divide over 3 workers \(3 GPUs\)"):
+        plan(recipe, 3, cpus=64)
+    # a micro-batch is a memory cap: a worker's share smaller than it is taken whole
+    assert plan(load_recipe("demo", ["distill.micro_batch_size=32"]), 4, cpus=8).distill.micro == 8
+
+
+def test_config_prints_the_plan_and_removed_keys_name_their_replacement(capsys):
+    from pipeline.cli import main
+
+    assert main(["config", "paper-2b", "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "# plan on 4 GPUs:" in out and "16 rows a step = 1 a forward x 4 accumulated x 4 workers" in out
+    assert "align" not in out.split("# plan")[1]  # paper-2b converts nothing
+    with pytest.raises(RecipeError, match="distill.gradient_accumulation_steps: no longer a recipe key.*micro_batch_size"):
+        load_recipe("paper-2b", ["distill.gradient_accumulation_steps=4"])
+    with pytest.raises(RecipeError, match="grpo.weight_sync: broadcast hands the weights to this package's engine"):
+        load_recipe("demo", ["grpo.weight_sync=broadcast", "grpo.engine.backend=vllm"])
+
+
+def test_a_failed_worker_stops_the_stage_at_once_not_after_the_groups_timeout():
+    """Worker 1 fails while worker 0 waits for it (to join the group, with a timeout of 600 s; on GPUs, in an NCCL
+    collective): the stage fails within seconds, naming the command that resumes it (it waited for worker 0)."""
+    import time
+
+    ray = pytest.importorskip("ray")
+    from pipeline.distributed import run_data_parallel
+
+    def _waits_for_its_peer_unless_it_fails() -> int:  # local: Ray ships it by value
+        import datetime
+        import os
+
+        import torch.distributed as dist
+
+        if os.environ["RANK"] == "1":
+            raise OSError("worker 1 is gone")  # before it joins: worker 0 waits for it, as NCCL waits for a dead peer
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        return 0
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        start = time.time()
+        with pytest.raises(RuntimeError, match=r"(?s)distill: a data-parallel training worker failed.*Run `.*` again "
+                                               r"to resume.*worker 1 is gone"):
+            run_data_parallel(_waits_for_its_peer_unless_it_fails, (), [{"num_cpus": 1}] * 2, "distill")
+        assert time.time() - start < 60
+    finally:
+        ray.shutdown()
+
+
+def _save_and_collect(rank: int, world: int, port: int, folders: list[str]) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from pipeline.checkpoints import collect_worker_files
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    folder = Path(folders[rank])
+    folder.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / f"rng_state_{rank}.pth").write_bytes(f"rng {rank}".encode())
+    collect_worker_files(folder)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_every_workers_checkpoint_files_reach_the_first_workers_folder(tmp_path, shared):
+    """Each worker writes its RNG state into its own copy of the checkpoint folder (another node's, or one folder
+    on a shared filesystem); before the first worker marks and stores the checkpoint, every file is in its folder
+    (a stored checkpoint lacked worker 1's RNG state)."""
+    import torch.multiprocessing as mp
+
+    from pipeline.distributed import free_port
+
+    folders = [str(tmp_path / ("ckpt" if shared else f"node{r}")) for r in range(2)]
+    mp.spawn(_save_and_collect, args=(2, free_port(), folders), nprocs=2)
+    first = Path(folders[0])
+    assert sorted(p.name for p in first.iterdir()) == ["model.safetensors", "rng_state_0.pth", "rng_state_1.pth"]
+    assert (first / "rng_state_1.pth").read_bytes() == b"rng 1"
+
+
+def test_only_the_first_worker_sets_an_incomplete_checkpoint_aside(tmp_path):
+    """Workers of one node read one checkpoints folder: each renamed a broken checkpoint, and the second rename
+    failed. Now a worker other than the first skips it, leaving the move to the first."""
+    from pipeline.checkpoints import latest_complete_checkpoint
+
+    for step in (1, 2):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()  # killed while saving
+    assert latest_complete_checkpoint(tmp_path, set_aside=False) == tmp_path / "checkpoint-1"
+    assert (tmp_path / "checkpoint-2").exists()
+    assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
+    assert not (tmp_path / "checkpoint-2").exists() and (tmp_path / "incomplete-checkpoint-2").exists()
+
+
+def _materialize_and_read(uri: str, cache: str, queue) -> None:
+    import os
+
+    os.environ["SSE_PIPELINE_CACHE"] = cache
+    from pipeline.storage import materialize
+
+    local = materialize(uri)
+    queue.put((str(local), (local / "weights.bin").read_bytes()[:4].decode()))
+
+
+def test_workers_of_one_node_materialize_one_stored_copy_without_racing(tmp_path, monkeypatch):
+    """Four processes of one node materialise the same stored model at once: one fetches, the others wait for it
+    (each used to replace the folder the others were reading)."""
+    import multiprocessing
+
+    from pipeline.storage import storage_uri, upload
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(b"abcd" * 2_000_000)
+    uri = upload(src, storage_uri(str(tmp_path / "store"), "run", "final"))
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_materialize_and_read, args=(uri, str(tmp_path / "cache"), queue))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len({path for path, _ in results}) == 1 and {head for _, head in results} == {"abcd"}
+    assert not list((tmp_path / "cache" / "storage").glob("*.partial-*"))
+
+
+def _gather_sharded(rank: int, world: int, port: int, out: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.rollout.actor import gathered
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny"))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    whole = gathered(model.state_dict(), {"lm_head.weight": torch.bfloat16})
+    if rank == 0:
+        torch.save(whole, out)
+    dist.destroy_process_group()
+
+
+def test_sharded_weights_reach_the_engines_whole(tmp_path):
+    """FSDP2's state dict holds each worker's shard (DTensors); the fleet gathers it one tensor at a time into
+    host memory in the engines' dtypes, equal to the unsharded model's weights."""
+    import torch.multiprocessing as mp
+
+    from pipeline.distributed import free_port
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    mp.spawn(_gather_sharded, args=(2, free_port(), str(tmp_path / "whole.pt")), nprocs=2)
+    whole = torch.load(tmp_path / "whole.pt")
+    torch.manual_seed(0)
+    reference = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny")).state_dict()
+    assert set(whole) == set(reference)
+    for name, value in reference.items():
+        dtype = torch.bfloat16 if name == "lm_head.weight" else value.dtype
+        assert whole[name].device.type == "cpu" and whole[name].dtype == dtype
+        torch.testing.assert_close(whole[name], value.to(dtype), rtol=0, atol=0, msg=name)

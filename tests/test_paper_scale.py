@@ -123,20 +123,17 @@ def test_the_dry_run_keeps_the_recipes_lengths_and_micro_batches():
     """DRY_RUN shrinks counts only: 32k rows and rollouts, the recipe's micro-batches of 2 rows, a mini-batch per
     optimizer step, and exactly one generation batch trained on in full."""
     from pipeline.bench.paper_dry_run import DRY_RUN
+    from pipeline.placement import grpo_batching
     from pipeline.recipe import load_recipe
 
     full = load_recipe("paper-2b")
     dry = load_recipe("paper-2b", DRY_RUN + ["distill.data.source=math_train"])
     assert dry.model.path is None and dry.model.preset == "sse-h-2b"
     assert dry.model.config_overrides["vocab_size"] == 151936
-    assert (dry.distill.max_length, dry.distill.batch_size, dry.distill.gradient_accumulation_steps) == \
-        (full.distill.max_length, full.distill.batch_size, full.distill.gradient_accumulation_steps) == (32768, 1, 16)
+    assert (dry.distill.max_length, dry.distill.batch_size, dry.distill.micro_batch_size) == \
+        (full.distill.max_length, full.distill.batch_size, full.distill.micro_batch_size) == (32768, 16, 1)
     assert dry.grpo.max_completion_length == full.grpo.max_completion_length == 32768
-
-    def micro_batch(g):
-        return g.prompts_per_batch // g.mini_batches * g.num_generations // g.gradient_accumulation_steps
-
-    assert micro_batch(dry.grpo) == micro_batch(full.grpo) == 2
+    assert grpo_batching(dry, 1).micro == grpo_batching(full, 1).micro == 2
     assert dry.grpo.steps == dry.grpo.mini_batches * dry.grpo.num_iterations  # one generation batch
     assert not dry.grpo.dynamic_sampling and dry.eval.limit * dry.eval.repeats == 4
 

@@ -43,7 +43,7 @@ TRACE_MEDIAN_TOKENS, TRACE_SIGMA = 3600, 0.72
 DRY_RUN = [
     "model.path=null", "model.preset=sse-h-2b", "model.tokenizer=char", "model.config_overrides={vocab_size: 151936}",
     "distill.max_steps=3", "distill.logging_steps=1",
-    "grpo.steps=4", "grpo.prompts_per_batch=8", "grpo.gradient_accumulation_steps=8", "grpo.dynamic_sampling=false",
+    "grpo.steps=4", "grpo.prompts_per_batch=8", "grpo.dynamic_sampling=false",
     # random weights rarely stop: masked truncated rows would leave the packed passes (80% of the tokens, measured)
     "grpo.mask_truncated_completions=false", "grpo.logging_steps=1",
     "eval.benchmarks=[aime24]", "eval.limit=2", "eval.repeats=2",
@@ -234,7 +234,7 @@ def main(argv=None) -> None:
     room = recipe.distill.max_length - min(256, recipe.distill.max_length // 2)  # for the prompt and chat template
     records = write_long_records(data, args.records, room)  # (a longer record distillation would drop)
     args.trace_tokens = args.trace_tokens or records["mean"]
-    what = {"distill": f"{recipe.distill.max_steps} steps x {recipe.distill.gradient_accumulation_steps} rows x "
+    what = {"distill": f"{recipe.distill.max_steps} steps x {recipe.distill.batch_size} rows x "
                        f"{recipe.distill.max_length:,} tokens",
             "grpo": f"{recipe.grpo.prompts_per_batch} prompts x {recipe.grpo.num_generations} rollouts up to "
                     f"{recipe.grpo.max_completion_length:,} tokens, {recipe.grpo.steps} optimizer steps over them",

@@ -7,6 +7,7 @@ import logging
 
 import ray
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import create_engine
 from .engine import RequestOutput
@@ -37,9 +38,16 @@ class RolloutWorker:
             self.engine.sleep()
         return outputs
 
+    def _updated(self) -> int:
+        """The engine's weight version once its copies are done on the device: a sync is timed to completion, and
+        the trainer may free or change what the engine copied from."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return self.engine.weights_version
+
     def update_weights(self, weights, version: int | None = None) -> int:
         self.engine.update_weights(weights, version)
-        return self.engine.weights_version
+        return self._updated()
 
     def open_weights(self, shared: list, version: int) -> int:
         """Copies the weights from the trainer's GPU buckets (:func:`pipeline.rollout.weight_sync.share`); returns
@@ -47,8 +55,16 @@ class RolloutWorker:
         from .weight_sync import opened
 
         self.engine.update_weights(opened(shared), version)
-        torch.cuda.synchronize()
-        return self.engine.weights_version
+        return self._updated()
+
+    def broadcast_device(self) -> str:
+        """The device broadcast weights arrive on: asked before the sync group forms, so that an engine that cannot
+        take them fails the call at once rather than leaving the trainer in the group's timeout."""
+        device = getattr(self.engine, "device", None)
+        if not isinstance(device, torch.device):
+            raise NotImplementedError(f"weight_sync broadcast: the {type(self.engine).__name__} takes no broadcast "
+                                      "weights (this package's engine does); use object_store")
+        return str(device)
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         from .weight_sync import process_group
@@ -61,7 +77,7 @@ class RolloutWorker:
 
         device = self.engine.device if self.sync_backend == "nccl" else torch.device("cpu")
         self.engine.update_weights(receive(self.sync_group, layout, device), version)
-        return self.engine.weights_version
+        return self._updated()
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         """The dtype of each of the engine's weights (none known for an engine without a module of ours)."""
@@ -73,6 +89,19 @@ class RolloutWorker:
 
     def capacity(self, seq_len: int | None = None) -> int:
         return self.engine.capacity(seq_len)
+
+
+def gathered(state_dict, dtypes: dict) -> dict[str, torch.Tensor]:
+    """A sharded state dict whole in host memory, each tensor gathered (``DTensor.full_tensor``, a collective over
+    the workers that share it) and cast to the dtype the engines keep it in, one at a time."""
+    out = {}
+    for name, value in state_dict.items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out[name] = full.detach().to(dtypes.get(name, full.dtype)).to("cpu", non_blocking=True)
+        del full
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return out
 
 
 def _put(state_dict, dtypes: dict | None = None) -> ray.ObjectRef:
@@ -166,15 +195,21 @@ class EngineFleet:
             ray.get(self.workers[i].update_weights.remote(self._weights, self._version))
 
     def update_weights(self, state_dict) -> list[int]:
-        """Brings every engine to ``state_dict`` (the next version); returns the engines' versions."""
+        """Brings every engine to ``state_dict`` (the next version) and returns the engines' versions once each
+        holds it. A state dict sharded over data-parallel workers (FSDP's DTensors) is gathered one tensor at a time
+        into host memory first (a collective: every worker syncs its engines at the same step), so no GPU holds a
+        second whole copy and a replacement engine can be given the weights without the other workers."""
         self._version += 1
+        if any(isinstance(v, DTensor) for v in state_dict.values()):
+            if self._dtypes is None:
+                self._dtypes = ray.get(self.workers[0].weight_dtypes.remote())
+            state_dict = gathered(state_dict, self._dtypes)
         if self.weight_sync == "cuda_ipc":
             try:
                 return self._share(state_dict)
-            except (RuntimeError, ray.exceptions.RayError) as error:
-                if not isinstance(error, ray.exceptions.RayActorError):
-                    self.weight_sync = "object_store"
-                logger.warning("weight sync by CUDA IPC failed (%s); this sync goes through the object store", error)
+            except ray.exceptions.RayActorError as error:  # a dead engine: replaced below, with these weights
+                logger.warning("weight sync by CUDA IPC lost an engine (%s); this sync goes through the object store",
+                               error)
         elif self.weight_sync != "object_store":
             try:
                 return self._broadcast(state_dict)
@@ -212,6 +247,7 @@ class EngineFleet:
         if self._group is None:
             from ..distributed import free_port
 
+            ray.get([w.broadcast_device.remote() for w in self.workers])  # refused at once by an engine without one
             host, port = ray.util.get_node_ip_address(), free_port()
             world = len(self.workers) + 1
             joined = [w.join_weight_sync.remote(host, port, i + 1, world, self.weight_sync)
@@ -221,7 +257,7 @@ class EngineFleet:
             self._dtype = getattr(torch, ray.get(self.workers[0].get_stats.remote())["dtype"])
         layout = Layout.of(state_dict, self._dtype)
         received = [w.receive_weights.remote(layout, self._version) for w in self.workers]
-        device = next(iter(state_dict.values())).device if self.weight_sync == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if self.weight_sync == "nccl" else torch.device("cpu")
         send(self._group, state_dict, layout, device)
         return ray.get(received)
 

@@ -92,27 +92,46 @@ def _unpacked(bucket, flat: torch.Tensor):
 
 def share(state_dict: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> tuple[list[torch.Tensor], list]:
     """CUDA IPC: the weights cast to the dtypes the engines keep them in (``dtypes``; the weight's own otherwise),
-    packed into flat buckets on the trainer's GPU. Returns the buckets, which the trainer keeps until every engine
-    has copied them, and what an engine opens them with (:func:`opened`): per bucket its ``(name, shape)`` list,
-    dtype and IPC handle (``torch.multiprocessing``'s reduction of a CUDA tensor, picklable)."""
+    packed into flat buckets on the trainer's GPU (the current one). Returns the buckets, which the trainer keeps
+    until every engine has copied them, and what an engine opens them with (:func:`opened`): per bucket its
+    ``(name, shape)`` list and IPC handle (``torch.multiprocessing``'s reduction of a CUDA tensor, picklable), and the
+    GPU's UUID: a process that sees another set of GPUs numbers the same GPU otherwise."""
     from torch.multiprocessing.reductions import reduce_tensor
 
+    if not torch.cuda.is_available():
+        raise RuntimeError("weight_sync cuda_ipc needs the trainer on a GPU (engines open its GPU memory); this "
+                           "process has none: use object_store")
+    device = torch.device("cuda", torch.cuda.current_device())
     by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = {}
     for name, tensor in state_dict.items():
-        if tensor.device.type != "cuda":
-            raise RuntimeError(f"CUDA IPC needs the weights on a GPU; {name} is on {tensor.device}")
         by_dtype.setdefault(dtypes.get(name, tensor.dtype), {})[name] = tensor
     buckets, shared = [], []
     for dtype, part in by_dtype.items():
         for bucket in Layout.of(part, dtype).buckets:
-            flat = _packed(part, bucket, dtype)
+            flat = _packed(part, bucket, dtype, device)
             buckets.append(flat)
             shared.append((bucket, reduce_tensor(flat)))
     torch.cuda.current_stream().synchronize()  # the buckets are written before any engine reads them
-    return buckets, shared
+    return buckets, {"gpu": str(torch.cuda.get_device_properties(device).uuid), "buckets": shared}
 
 
-def opened(shared: list):
-    """An engine's side of :func:`share`: yields ``(name, tensor)``, views of the trainer's buckets."""
-    for bucket, (rebuild, args) in shared:
+def local_index(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid`` (its ``CUDA_VISIBLE_DEVICES`` may list other GPUs, in another
+    order, than the process that named it)."""
+    found = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == uuid]
+    if not found:
+        raise RuntimeError(f"CUDA IPC: the trainer's GPU {uuid} is not visible to this engine (it sees "
+                           f"{torch.cuda.device_count()} GPUs): the engine is not on its trainer's GPU")
+    return found[0]
+
+
+STORAGE_DEVICE = 6  # the device index among the arguments of torch's rebuild_cuda_tensor
+
+
+def opened(shared: dict):
+    """An engine's side of :func:`share`: yields ``(name, tensor)``, views of the trainer's buckets, opened on this
+    process's index of the trainer's GPU."""
+    index = local_index(shared["gpu"])
+    for bucket, (rebuild, args) in shared["buckets"]:
+        args = (*args[:STORAGE_DEVICE], index, *args[STORAGE_DEVICE + 1:])
         yield from _unpacked(bucket, rebuild(*args))

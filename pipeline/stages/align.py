@@ -22,7 +22,8 @@ from sse_model.align import AttentionTransfer, freeze_all_but_aligned
 from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
 from ..data import chat_ids, sft_dataset
 from ..metrics import MetricsLogger, plot_curves, read_metrics
-from ..models import TRAINING_DTYPE, load_model, load_teacher, resolve_device, trainer_options
+from ..models import TRAINING_DTYPE, load_model, load_teacher, trainer_options, training_device
+from ..placement import align_batching
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -123,19 +124,18 @@ def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None, cal
         logger.info("align: already done (%s)", final)
         return final
     cfg = recipe.align
-    device = resolve_device(recipe.device)
+    device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     teacher = load_teacher(recipe.model, TRAINING_DTYPE).to(device)
     trained = freeze_all_but_aligned(model, cfg.train)
     data = sft_dataset(cfg.data or recipe.distill.data, recipe.prompt_instruction)
     rows = packed_rows(data, tokenizer, cfg.max_length)
-    tokens = cfg.steps * cfg.batch_size * cfg.gradient_accumulation_steps * cfg.max_length
+    tokens = cfg.steps * cfg.batch_size * cfg.max_length
     logger.info("align: %s values train (%s); %d packed rows of %d tokens; %d steps, %.1fM tokens at most",
                 f"{trained:,}", cfg.train, len(rows), cfg.max_length, cfg.steps, tokens / 1e6)
     args = TrainingArguments(
-        **trainer_options(recipe, cfg, out_dir, device),
+        **trainer_options(recipe, cfg, out_dir, device, align_batching(recipe)),
         max_steps=cfg.steps,
-        per_device_train_batch_size=cfg.batch_size,
         lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio,
         weight_decay=cfg.weight_decay,

@@ -20,19 +20,19 @@ from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, w
 from ..data import drop_overlong, sft_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
-from ..models import TRAINING_DTYPE, load_model, load_teacher, resolve_device, trainer_options
+from ..models import TRAINING_DTYPE, fsdp_precision, load_model, load_teacher, trainer_options, training_device, uses_fsdp
+from ..placement import distill_batching
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
 
-def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
+def sft_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SFTConfig:
     cfg = recipe.distill
-    return SFTConfig(
-        **trainer_options(recipe, cfg, out_dir, device),
+    args = SFTConfig(
+        **trainer_options(recipe, cfg, out_dir, device, distill_batching(recipe, world()[1]), fsdp),
         num_train_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.batch_size // world()[1],  # batch_size is the global batch
         lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio,  # a float in [0, 1) is a fraction of the steps
         weight_decay=cfg.weight_decay,
@@ -41,6 +41,8 @@ def sft_config(recipe: Recipe, out_dir: Path, device) -> SFTConfig:
         padding_free=True,
         completion_only_loss=True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
     )
+    fsdp_precision(args)
+    return args
 
 
 class TeacherKLMixin:
@@ -109,7 +111,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, c
     if is_done(final):
         logger.info("distill: already done (%s)", final)
         return final
-    device = resolve_device(recipe.device)
+    device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
                                      recipe.distill.max_length)
@@ -117,22 +119,24 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, c
     resume = resume_point(store, out_dir)
     cfg = recipe.distill
     teacher = load_teacher(recipe.model, TRAINING_DTYPE).to(device) if cfg.teacher_kl else None
+    fsdp = uses_fsdp(recipe, model, device, world()[1])
     trainer = SSESFTTrainer(
-        model=model.to(device),
+        model=model if fsdp else model.to(device),  # FSDP places each shard itself
         teacher=teacher, teacher_kl=cfg.teacher_kl, kd_temperature=cfg.kd_temperature,
-        args=sft_config(recipe, out_dir, device),
+        args=sft_config(recipe, out_dir, device, fsdp),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[*([MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store)] if is_main_process() else []),
+        callbacks=[CheckpointMarker(store), *([MetricsLogger(out_dir / "metrics.jsonl")] if is_main_process() else []),
                    *callbacks],
     )
     if resume is not None:
         logger.info("distill: resuming from %s", resume)
     with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    weights = trainer.accelerator.get_state_dict(trainer.model)  # every worker: under FSDP a collective
     if not is_main_process():  # rank 0 writes the stage's files
         return final
     plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "ce", "teacher_kl", "balance_loss", "learning_rate", "grad_norm"], "distill")
-    return save_final(trainer.model, tokenizer, final,
-                      {"stage": "distill", "global_step": trainer.state.global_step,
-                       "train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})
+    return save_final(trainer.accelerator.unwrap_model(trainer.model), tokenizer, final,
+                      {"stage": "distill", "global_step": trainer.state.global_step, "train_loss": result.training_loss,
+                       "samples": len(dataset), "dropped_overlong": dropped}, weights)

@@ -87,11 +87,11 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
 
 
-def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, num_gpus_per_worker: float = 0) -> None:
+def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, workers: int = 1,
+                 num_gpus_per_worker: float = 0) -> None:
     """Every benchmark's generations of ``checkpoint`` (a local path or a stored URI) in ``out_dir``: here, or
-    sharded over ``eval.num_workers`` Ray workers of ``num_gpus_per_worker`` GPUs each."""
+    sharded over ``workers`` Ray workers (:mod:`pipeline.placement`) of ``num_gpus_per_worker`` GPUs each."""
     out_dir = Path(out_dir)
-    workers = recipe.eval.num_workers
     if workers <= 1:
         generate_shard(recipe, str(checkpoint), str(out_dir), (0, 1))
         return

@@ -39,7 +39,8 @@ from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, w
 from ..data import prompt_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, Timer, plot_curves
-from ..models import TRAINING_DTYPE, load_model, resolve_device, trainer_options
+from ..models import TRAINING_DTYPE, fsdp_precision, load_model, trainer_options, training_device, uses_fsdp
+from ..placement import grpo_batching
 from ..packing import packed_logps
 from ..recipe import Recipe
 from ..rollout import SamplingParams
@@ -318,15 +319,14 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         return [self.train_dataset[i] for i in rows for _ in range(self.num_generations)]
 
 
-def grpo_config(recipe: Recipe, out_dir: Path, device) -> SSEGRPOConfig:
+def grpo_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SSEGRPOConfig:
     cfg = recipe.grpo
-    completions = cfg.prompts_per_batch * cfg.num_generations
-    return SSEGRPOConfig(
-        **trainer_options(recipe, cfg, out_dir, device),
+    batch = grpo_batching(recipe, world()[1])  # an optimizer step's rollouts over the workers
+    args = SSEGRPOConfig(
+        **trainer_options(recipe, cfg, out_dir, device, batch, fsdp),
         max_steps=cfg.steps,
         # the generation batch is global: each data-parallel worker takes whole groups of it
-        per_device_train_batch_size=completions // (cfg.mini_batches * cfg.gradient_accumulation_steps * world()[1]),
-        steps_per_generation=cfg.mini_batches * cfg.gradient_accumulation_steps,
+        steps_per_generation=cfg.mini_batches * batch.accumulation,
         num_iterations=cfg.num_iterations,
         num_generations=cfg.num_generations,
         max_prompt_length=cfg.max_prompt_length,
@@ -349,6 +349,8 @@ def grpo_config(recipe: Recipe, out_dir: Path, device) -> SSEGRPOConfig:
         reward_weights=None,
         shuffle_dataset=True,
     )
+    fsdp_precision(args)
+    return args
 
 
 def _write_engines(out_dir: Path, fleet) -> list[dict]:
@@ -363,21 +365,23 @@ def _write_engines(out_dir: Path, fleet) -> list[dict]:
 
 
 def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> Path:
-    """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory(path)`` builds the engine fleet."""
+    """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory()`` builds the engine fleet (which reads the
+    model where it is kept, stored or local)."""
     out_dir = Path(out_dir)
     final = out_dir / "final"
     if is_done(final):
         logger.info("grpo: already done (%s)", final)
         return final
-    device = resolve_device(recipe.device)
+    device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
+    fsdp = uses_fsdp(recipe, model, device, world()[1])
     dataset = prompt_dataset(recipe.grpo.data, recipe.prompt_instruction)
     timer = Timer()
     verifier = MathVerifier(pool=VerifierPool(num_workers=recipe.grpo.rewards.workers,
                                               timeout=recipe.grpo.rewards.timeout),
                             strict=recipe.grpo.rewards.strict_boxed)
     funcs, weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
-    fleet = fleet_factory(start_from)
+    fleet = fleet_factory()
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
         engines = _write_engines(out_dir, fleet)
         logger.info("grpo: %d engine(s): %s", len(engines),
@@ -385,18 +389,18 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         if device.type == "cuda" and any(e["device"] == "cpu" for e in engines):
             raise RuntimeError("grpo: the trainer is on CUDA but a rollout engine runs on the CPU; check the Ray GPU "
                                "resources (ray.num_gpus) and grpo.engine")
-        args = grpo_config(recipe, out_dir, device)
+        args = grpo_config(recipe, out_dir, device, fsdp)
         args.reward_weights = weights
         store = recipe.stored_at("grpo", "checkpoints")
         resume = resume_point(store, out_dir)
         trainer = SSEGRPOTrainer(
-            model=model.to(device),
+            model=model if fsdp else model.to(device),  # FSDP places each shard itself
             reward_funcs=funcs,
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[MetricsLogger(out_dir / "metrics.jsonl", timer), CheckpointMarker(store)]
-            if is_main_process() else [],
+            callbacks=[CheckpointMarker(store), *([MetricsLogger(out_dir / "metrics.jsonl", timer)]
+                                                  if is_main_process() else [])],
             fleet=fleet,
             timer=timer,
             balance_loss_coef=recipe.grpo.balance_loss_coef,
@@ -406,6 +410,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         _write_engines(out_dir, fleet)  # again, with the run's totals (tokens, steps, preemptions, weight versions)
+        weights = trainer.accelerator.get_state_dict(trainer.model)  # every worker: under FSDP a collective
     finally:
         fleet.shutdown()
         verifier.close()
@@ -413,4 +418,5 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
         return final
     plot_curves(out_dir / "metrics.jsonl", out_dir / "reward_curve.png",
                 ["reward", "rewards/*", "completions/mean_length", "balance_loss", "time/step_s"], "GRPO")
-    return save_final(trainer.model, tokenizer, final, {"stage": "grpo", "global_step": trainer.state.global_step})
+    return save_final(trainer.accelerator.unwrap_model(trainer.model), tokenizer, final,
+                      {"stage": "grpo", "global_step": trainer.state.global_step}, weights)
