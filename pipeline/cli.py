@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
             stages = tuple(s for s in STAGES if stage_runs(recipe, s))
             try:
-                print("# " + plan(recipe, args.gpus, os.cpu_count() or 1).describe(stages).replace("\n", "\n# "))
+                print("# " + plan(recipe, args.gpus, os.cpu_count() or 1, stages).describe().replace("\n", "\n# "))
             except RecipeError as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 2

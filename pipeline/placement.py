@@ -128,10 +128,11 @@ class Plan:
 
     gpus: int
     cpus: int
+    stages: tuple[str, ...]  # the stages planned (another stage's settings may not fit this cluster)
     distill: Batching
     align: Batching
-    grpo: GRPOPlacement
-    grpo_batching: Batching
+    grpo: GRPOPlacement | None
+    grpo_batching: Batching | None
     eval_workers: int
 
     @property
@@ -150,7 +151,8 @@ class Plan:
     def eval_gpus(self) -> int:
         return 1 if self.gpus else 0
 
-    def describe(self, stages: tuple[str, ...] = ("align", "distill", "grpo", "eval")) -> str:
+    def describe(self) -> str:
+        stages = self.stages
         where = _count(self.gpus, "GPU") if self.gpus else f"{_count(self.cpus, 'CPU')}, no GPU"
         lines = [f"plan on {where}:"]
         if "align" in stages:
@@ -202,9 +204,10 @@ def _count(n: int, thing: str) -> str:
     return f"{n} {thing}{'s' if n != 1 else ''}"
 
 
-def plan(recipe: Recipe, gpus: int, cpus: int) -> Plan:
-    """The plan of ``recipe`` on ``gpus`` GPUs (0: CPU only) and ``cpus`` cores; refuses, naming the recipe's keys
-    and the GPUs, what cannot run there (a batch that does not divide over the workers, too few devices)."""
+def plan(recipe: Recipe, gpus: int, cpus: int, stages: tuple[str, ...] = ("align", "distill", "grpo", "eval")) -> Plan:
+    """The plan of ``stages`` of ``recipe`` on ``gpus`` GPUs (0: CPU only) and ``cpus`` cores; refuses, naming the
+    recipe's keys and the GPUs, what cannot run there (a batch that does not divide over the workers, too few
+    devices)."""
     where = f"{gpus} GPUs" if gpus else f"{cpus} CPUs"
     workers = recipe.distill.num_workers or max(gpus, 1)
     if gpus and workers > gpus:
@@ -214,20 +217,20 @@ def plan(recipe: Recipe, gpus: int, cpus: int) -> Plan:
         raise RecipeError(f"distill.num_workers={workers} needs {workers} CPUs (one per worker) on a cluster without "
                           f"GPUs; it has {cpus} (ray.num_cpus)")
     g = recipe.grpo
-    grpo = plan_grpo(g.placement, gpus, cpus, g.num_engines, g.num_workers)
-    return Plan(gpus, cpus, distill_batching(recipe, workers, where), align_batching(recipe), grpo,
-                grpo_batching(recipe, grpo.workers, where), recipe.eval.num_workers or max(gpus, 1))
+    grpo = plan_grpo(g.placement, gpus, cpus, g.num_engines, g.num_workers) if "grpo" in stages else None
+    return Plan(gpus, cpus, tuple(stages), distill_batching(recipe, workers, where), align_batching(recipe), grpo,
+                grpo_batching(recipe, grpo.workers, where) if grpo else None, recipe.eval.num_workers or max(gpus, 1))
 
 
-def cluster_plan(recipe: Recipe) -> Plan:
-    """:func:`plan` on the cluster Ray is connected to (its GPUs unless the recipe runs on the CPU)."""
+def cluster_plan(recipe: Recipe, stages: tuple[str, ...]) -> Plan:
+    """:func:`plan` of ``stages`` on the cluster Ray is connected to (its GPUs unless the recipe runs on the CPU)."""
     import ray
 
     from .models import resolve_device
 
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0)) if resolve_device(recipe.device).type == "cuda" else 0
-    return plan(recipe, gpus, max(1, int(resources.get("CPU", 1))))
+    return plan(recipe, gpus, max(1, int(resources.get("CPU", 1))), stages)
 
 
 def reserve(plan: GRPOPlacement, timeout_s: float = 600.0):

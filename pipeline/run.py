@@ -106,8 +106,10 @@ def init_ray(recipe: Recipe, address: str | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env(recipe), ignore_reinit_error=True)
     else:
-        ray.init(num_cpus=recipe.ray.num_cpus, num_gpus=recipe.ray.num_gpus, include_dashboard=False,
-                 ignore_reinit_error=True, logging_level=logging.WARNING)
+        # address "local": a cluster of this run's own, even where another run's is up on this machine (ray.init
+        # would join that one, refusing this run's num_cpus / num_gpus)
+        ray.init(address="local", num_cpus=recipe.ray.num_cpus, num_gpus=recipe.ray.num_gpus,
+                 include_dashboard=False, ignore_reinit_error=True, logging_level=logging.WARNING)
 
 
 def _task_setup():
@@ -313,8 +315,8 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
                 checkpoint: str | None, redo: tuple[str, ...]) -> Path:
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     init_ray(recipe, address)
-    where = cluster_plan(recipe)
-    logger.info("%s", where.describe(tuple(s for s in stages if stage_runs(recipe, s))))
+    where = cluster_plan(recipe, tuple(s for s in stages if stage_runs(recipe, s)))
+    logger.info("%s", where.describe())
     if "grpo" in stages and stage_runs(recipe, "grpo"):  # refused before any stage runs
         check_weight_sync(recipe, where)
     # a local path or a stored URI (never a Path: "s3://")

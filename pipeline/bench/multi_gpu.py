@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     parser.add_argument("--out", default="runs/multi-gpu")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides of every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
