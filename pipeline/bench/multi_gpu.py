@@ -103,6 +103,7 @@ def bench_same_steps(args) -> list[dict]:
     from ..checkpoints import is_done
 
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results = []
     for gpus in args.gpus:
         name = f"same-steps-{gpus}gpu"

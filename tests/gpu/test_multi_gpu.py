@@ -81,7 +81,7 @@ def test_fsdp_distillation_and_grpo_on_two_gpus(tmp_path):
     losses = [r["loss"] for r in read_metrics(tmp_path / "distill" / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0]
     final = load_pretrained(tmp_path / "grpo" / "final")
-    assert final.model.embed_tokens.weight.shape[1] == 256  # whole, not a shard
+    assert final.model.embeddings.weight.shape[1] == 256  # whole, not a shard
     engine = Engine(final.cuda(), None, max_slots=2, max_model_len=64)
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
