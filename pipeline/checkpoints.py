@@ -176,7 +176,7 @@ def save_final(model, tokenizer, directory: Path, info: dict, state_dict: dict |
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writing(tmp):
-            model.save_pretrained(tmp, state_dict=state_dict)
+            model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             (tmp / DONE).write_text(json.dumps(info, indent=2))

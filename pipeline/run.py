@@ -170,17 +170,38 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
     if sync == "broadcast":  # (a colocated broadcast is refused before the stages start: check_weight_sync)
         sync = "nccl" if engine_resources.get("num_gpus", 0) >= 1 else "gloo"
 
-    def fleet_factory():  # the engines read the model where it is kept: stored, on any node
+    def fleet_factory(trainer_bytes: int):  # the engines read the model where it is kept: stored, on any node
+        options = engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length)
+        if colocated and cfg.engine.backend == "vllm" and options["memory_budget"] is None:
+            options["memory_budget"] = colocated_vllm_cache(trainer_bytes)
         return EngineFleet(start_from, None, num_engines=plan.engines, max_restarts=cfg.max_engine_restarts,
                            weight_sync=sync,
                            sleep_between_calls=colocated if cfg.engine.sleep is None else cfg.engine.sleep,
-                           device=resolve_device(recipe.device).type,
-                           **engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length),
+                           device=resolve_device(recipe.device).type, **options,
                            **engine_resources, resources=cfg.engine_resources, placement_group=group,
                            bundles=plan.engine_bundles[world()[0]] if group is not None else None)
 
     final = run_grpo(recipe, Path(out_dir), materialize(start_from), fleet_factory)
     return _hand_on(recipe, "grpo", final)
+
+
+# what a colocated vLLM engine leaves beside its cache and the trainer's state: its weights, activations and graphs
+VLLM_OVERHEAD = 4 * 2**30
+
+
+def colocated_vllm_cache(trainer_bytes: int) -> int:
+    """A colocated vLLM engine's cache bytes: vLLM sizes its cache once, when it starts, before the trainer holds its
+    memory, and allocates that much again at every wake; so it plans from what the trainer keeps while it sleeps
+    (``trainer_bytes``: weights, gradients, optimizer state of this worker), not from what is free at its start.
+    (Our engine plans again at every wake from the memory then free.)"""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    budget = int(0.9 * total) - trainer_bytes - VLLM_OVERHEAD
+    if budget <= 0:
+        raise RecipeError(f"grpo.engine.backend: vllm colocated with a trainer that keeps {trainer_bytes / 2**30:.1f} "
+                          f"GiB leaves no cache on a GPU of {total / 2**30:.0f} GiB: use grpo.placement: split")
+    return budget
 
 
 class _Generator:

@@ -365,8 +365,8 @@ def _write_engines(out_dir: Path, fleet) -> list[dict]:
 
 
 def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> Path:
-    """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory()`` builds the engine fleet (which reads the
-    model where it is kept, stored or local)."""
+    """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory(trainer_bytes)`` builds the engine fleet (which
+    reads the model where it is kept, stored or local), told what the trainer keeps on its GPU."""
     out_dir = Path(out_dir)
     final = out_dir / "final"
     if is_done(final):
@@ -381,7 +381,9 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                                               timeout=recipe.grpo.rewards.timeout),
                             strict=recipe.grpo.rewards.strict_boxed)
     funcs, weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
-    fleet = fleet_factory()
+    # what this worker's trainer keeps on its GPU while the engines generate: float32 weights, gradients, AdamW
+    trainer_bytes = 16 * sum(p.numel() for p in model.parameters()) // (world()[1] if fsdp else 1)
+    fleet = fleet_factory(trainer_bytes)
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
         engines = _write_engines(out_dir, fleet)
         logger.info("grpo: %d engine(s): %s", len(engines),
