@@ -7,16 +7,16 @@ a time, for all query heads of the group at once (GQA), with an online softmax i
 (long rollouts: 8 sequences x 18 heads is about one program per SM) each sequence is split into ``splits`` ranges
 whose partial softmax states a second kernel merges (flash-decoding), so the whole GPU reads the cache.
 
-Layout, as :class:`sse_model.cache.SlotCache` keeps it: ``pool_k``/``pool_v`` ``[num_blocks + 1, H_kv, block_size,
+Layout, as :class:`pipeline.rollout.cache.SlotCache` keeps it: ``pool_k``/``pool_v`` ``[num_blocks + 1, H_kv, block_size,
 D]``; ``tables`` ``[B, max_blocks]``, each sequence's blocks in order; ``lengths`` ``[B]``, its tokens, the new
 one included. Lengths are read on the device: no host synchronisation, the launch can be captured in a CUDA graph.
 Tiles of bf16 keys and values are multiplied in bf16 with float32 accumulation, the probabilities rounded to bf16
 for the value product (as flash attention does): float32 operands doubled the registers a program holds and left
 the kernel at 1.4x its memory roofline at 8 x 32k; float32 caches (and Triton's interpreter, whose bf16 products
-are wrong) multiply in float32. Each program runs 8 warps (``python -m kernels.bench.bench_paged``).
+are wrong) multiply in float32. Each program runs 8 warps (``python -m benchmarks.kernels.bench_paged``).
 
-The engine's decode attention (:meth:`sse_model.cache.SlotCache.decode_attention`); ``python -m
-kernels.bench.bench_paged`` measures it against the gather path and the memory roofline.
+The engine's decode attention (:meth:`pipeline.rollout.cache.SlotCache.decode_attention`); ``python -m
+benchmarks.kernels.bench_paged`` measures it against the gather path and the memory roofline.
 """
 
 from __future__ import annotations

@@ -539,7 +539,7 @@ class KernelConfig:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Chosen on an H100 with ``kernels/bench/tune_chunk.py`` at head dims K = V = 128, at the model benchmark's
+# Chosen on an H100 with ``benchmarks/kernels/tune_chunk.py`` at head dims K = V = 128, at the model benchmark's
 # layer shapes (8 x 4k and 2 x 16k tokens, 8 heads; the per-chunk kernels also at 32 x 4k, 18 heads): fixed
 # configs instead of autotuning keep the first step's compilation short. 128-wide value blocks read q / k / g
 # once per chunk in the output and dv kernels.

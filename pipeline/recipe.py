@@ -20,11 +20,9 @@ import yaml
 
 from eval.generation import INSTRUCTION
 
+from .errors import RecipeError
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class RecipeError(ValueError):
-    pass
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -378,7 +376,7 @@ class Recipe:
         g = self.grpo
         if g.prompts_per_batch % g.mini_batches:
             fail("grpo.mini_batches", f"must divide grpo.prompts_per_batch ({g.prompts_per_batch}), got {g.mini_batches}")
-        from .placement import align_batching, distill_batching, grpo_batching
+        from .batching import align_batching, distill_batching, grpo_batching
 
         try:  # with the workers the recipe names (1 if it names none); the GPUs a run has are checked at its start
             distill_batching(self, self.distill.num_workers or 1)

@@ -294,7 +294,7 @@ def preflight(recipe: Recipe, stages: tuple[str, ...]) -> None:
     for stage in enabled:
         if stage in engines and engines[stage].backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise RecipeError(f"{stage}.engine.backend: vllm needs vLLM 0.25.1, which is not installed "
-                              "(pip install 'sse-pipeline[vllm]', or python -m pipeline.rollout.vllm.site); "
+                              "(pip install 'sse-pipeline[vllm]', or python -m scripts.vllm_site); "
                               "engine.backend: sse is this package's engine")
     if "eval" in enabled:
         from eval.benchmarks import BENCHMARKS

@@ -18,7 +18,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
 
-from .cache import SlotCache, SSEHybridCache
+from .cache import ModelCache, SSEHybridCache
 from .configuration_sse import SSEConfig
 from .layers.attention import SoftmaxAttention
 from .layers.common import ForwardContext
@@ -158,15 +158,16 @@ class SSEModel(SSEPreTrainedModel):
         packed_prefill = False  # several prompts in one packed row, each into an empty slot of an engine's cache
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, B, T)
-            packed_prefill = isinstance(past_key_values, SlotCache) and past_key_values.packs_prefill
+            packed_prefill = bool(getattr(past_key_values, "packs_prefill", False))
             if not packed_prefill and (use_cache or past_key_values is not None):
                 raise ValueError("packed sequences (cu_seqlens) are cached only by an engine's SlotCache (a "
                                  "prefill of empty slots); pass use_cache=False")
             use_cache = packed_prefill
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        if past_key_values is not None and not isinstance(past_key_values, (SSEHybridCache, SlotCache)):
+        if past_key_values is not None and not isinstance(past_key_values, ModelCache):
             raise TypeError(
-                f"past_key_values must be an SSEHybridCache or SlotCache, got {type(past_key_values).__name__}; "
+                f"past_key_values must be an SSEHybridCache or an engine's SlotCache, got "
+                f"{type(past_key_values).__name__}; "
                 "leave it unset and the model creates one"
             )
         cache = past_key_values if past_key_values is not None else (

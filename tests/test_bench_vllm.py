@@ -1,8 +1,8 @@
-"""The vLLM peer benchmark's table (``pipeline/rollout/bench/bench_vllm.py``); the runs themselves need vLLM and a GPU."""
+"""The vLLM peer benchmark's table (``benchmarks/rollout/bench_vllm.py``); the runs themselves need vLLM and a GPU."""
 
 from pathlib import Path
 
-from pipeline.rollout.bench.bench_vllm import table
+from benchmarks.rollout.bench_vllm import table
 
 
 def test_each_row_is_compared_with_vllm_at_its_length():
@@ -34,7 +34,7 @@ def test_the_evaluation_workload_serves_a_checkpoint_on_a_benchmarks_prompts(tmp
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.rollout.bench.eval_workload import benchmark_workload, main, without_tokenizer
+    from benchmarks.rollout.eval_workload import benchmark_workload, main, without_tokenizer
     from pipeline.tokenizer import build_char_tokenizer
     from sse_model.convert import convert_to_sse
 

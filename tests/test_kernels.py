@@ -791,12 +791,12 @@ def test_a_models_sse_backward_head_groups_reach_the_kernels_and_keep_its_gradie
 
 
 def test_count_ops_takes_the_kernel_path_and_restores_it():
-    """``kernels/bench/count_ops.py`` counts the host's work of the CUDA code path on CPU: the SSE block must
+    """``benchmarks/kernels/count_ops.py`` counts the host's work of the CUDA code path on CPU: the SSE block must
     reach the chunk kernels (their launch counters) and the real kernels must be back afterwards."""
     import collections
 
     from kernels import sse_chunk
-    from kernels.bench.count_ops import count, kernels_on_cpu, split
+    from benchmarks.kernels.count_ops import count, kernels_on_cpu, split
     from sse_model.ops import dispatch
 
     backends = list(dispatch._BACKENDS)
@@ -830,9 +830,9 @@ def test_token_rows_reads_column_slices_in_place():
 
 
 def test_real_shapes_sweep_covers_the_shapes_of_real_checkpoints():
-    """``kernels/bench/real_shapes.py`` (run on a GPU, ``docs/real_shapes.md``) checks every kernel family at the
+    """``benchmarks/kernels/real_shapes.py`` (run on a GPU, ``docs/real_shapes.md``) checks every kernel family at the
     head dims, head counts, dtypes and routing sizes real checkpoints have, and each named model's exact shape."""
-    from kernels.bench.real_shapes import CHECKS, HEAD_DIMS, MODELS, groups
+    from benchmarks.kernels.real_shapes import CHECKS, HEAD_DIMS, MODELS, groups
 
     every = groups()
     assert {family for family, _, _ in every} == set(CHECKS)

@@ -81,9 +81,47 @@ def test_cycle_finder_finds_a_circle_through_a_lazy_import():
 
 
 def test_rollout_folder_keeps_one_job_per_place():
-    """The engine at the top of ``pipeline/rollout``; vLLM integration and the measurements in their folders."""
+    """The engine at the top of ``pipeline/rollout``; vLLM integration in its folder."""
     top = {p.stem for p in (ROOT / "pipeline" / "rollout").glob("*.py")}
     assert not {name for name in top if name.startswith(("vllm", "bench", "profile"))}, top
     assert {"engine", "sampling", "actor", "weight_sync"} <= top
     assert (ROOT / "pipeline" / "rollout" / "vllm" / "plugin.py").exists()
-    assert (ROOT / "pipeline" / "rollout" / "bench" / "benchmark.py").exists()
+
+
+# which package may import which (the design's layers): the model at the bottom, kernels registering into its
+# dispatch, rewards and evaluation as libraries, the pipeline on top; benchmarks and scripts may use them all
+LAYERS = {"sse_model": set(), "kernels": {"sse_model"}, "rewards": set(), "eval": {"sse_model", "rewards"},
+          "pipeline": {"sse_model", "kernels", "rewards", "eval"}}
+
+
+def package_imports(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """``(package, package it imports)`` -> the module pairs behind it."""
+    found: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = module.split(".")[0], target.split(".")[0]
+            if a != b:
+                found.setdefault((a, b), []).append((module, target))
+    return found
+
+
+def test_packages_import_only_down_their_layers():
+    uphill = {pair: modules for pair, modules in package_imports(module_imports()).items()
+              if pair[1] not in LAYERS[pair[0]]}
+    assert uphill == {}, uphill
+    assert cycles({p: LAYERS[p] for p in LAYERS}) == []
+
+
+def test_the_package_ships_no_benchmark_or_script():
+    """Benchmarks and experiment runners live in ``benchmarks/`` and ``scripts/``, outside the installed packages,
+    and no library module imports them."""
+    import tomllib
+
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [p for p in shipped if p.startswith(("benchmarks", "scripts"))]
+    stray = [str(p.relative_to(ROOT)) for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+             if p.parent.name in ("bench", "benchmarks") or p.stem.startswith(("bench_", "profile_"))]
+    assert stray == []
+    for module, targets in module_imports().items():
+        assert not [t for t in targets if t.startswith(("benchmarks", "scripts"))], module
+    assert (ROOT / "benchmarks" / "rollout" / "benchmark.py").exists() and (ROOT / "scripts" / "sweep.py").exists()

@@ -248,7 +248,7 @@ def test_smollm2_presets_are_what_conversion_makes_of_smollm2():
     conversion builds from SmolLM2-135M's Llama config, every field that shapes the computation."""
     from transformers import LlamaConfig
 
-    from kernels.bench.bench_packed import SMOLLM2
+    from benchmarks.kernels.bench_packed import SMOLLM2
     from sse_model.convert import sse_config_from_transformer
 
     skip = {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version"}

@@ -92,7 +92,7 @@ def test_cache_declines_head_sizes_the_kernel_cannot_take_and_says_so_once(caplo
     """Phi-style heads of 80 (not a power of two): the engine's cache gathers the blocks for SDPA instead of the
     paged kernel and logs that once; heads of 64 are read in place."""
     from sse_model import SSEConfig
-    from sse_model.cache import SlotCache
+    from pipeline.rollout.cache import SlotCache
     from sse_model.ops import dispatch
 
     def cache(D):

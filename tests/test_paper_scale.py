@@ -20,7 +20,7 @@ def tiny_hybrid() -> SSEForCausalLM:
 
 
 def test_packed_rows_restart_positions_and_score_no_token_across_sequences():
-    from pipeline.bench.train_at_length import packed_rows
+    from benchmarks.pipeline.train_at_length import packed_rows
 
     (row,) = packed_rows(40, 16, 1, 96, "cpu")
     assert row["position_ids"][0].tolist() == [*range(16), *range(16), *range(8)]
@@ -32,7 +32,7 @@ def test_packed_rows_restart_positions_and_score_no_token_across_sequences():
 def test_a_bench_step_is_the_trainers_loss_and_moves_the_weights():
     """The optimizer step of ``train_at_length`` scores every row with the model's own LM loss (TRL's fused head over
     the packed rows, normalised by the step's scored tokens), adds the balance loss and updates the weights."""
-    from pipeline.bench.train_at_length import measure, optimizer_step, packed_rows, prepare
+    from benchmarks.pipeline.train_at_length import measure, optimizer_step, packed_rows, prepare
 
     model = tiny_hybrid()
     batches = packed_rows(48, 16, 2, 96, "cpu")
@@ -56,7 +56,7 @@ def test_a_bench_step_is_the_trainers_loss_and_moves_the_weights():
 
 def test_a_benchmarked_model_is_a_preset_with_typed_settings():
     """``--models sse-h-2b:sse_backward_head_groups=3,...``: the preset, and its settings read as YAML values."""
-    from pipeline.bench import model_spec
+    from benchmarks.pipeline import model_spec
 
     assert model_spec("sse-h-2b") == ("sse-h-2b", {})
     assert model_spec("sse-h-2b:sse_backward_head_groups=3,checkpointing_keeps_linear_attention=true") == (
@@ -71,8 +71,8 @@ def test_a_benchmarked_model_is_freed_before_the_next_is_built():
     import gc
     import weakref
 
-    from pipeline.bench import release
-    from pipeline.bench.train_at_length import measure
+    from benchmarks.pipeline import release
+    from benchmarks.pipeline.train_at_length import measure
 
     enabled = gc.isenabled()
     gc.disable()  # the collector must not run on its own during the check
@@ -92,13 +92,13 @@ def test_a_benchmarked_model_is_freed_before_the_next_is_built():
 def test_the_memory_peak_is_found_in_the_allocator_trace_and_charged_to_project_lines():
     """A synthetic trace of the allocator's events: the peak is the highest running total (frees of memory held
     from before the trace count), and what is alive then is summed by the innermost frame of this project."""
-    from pipeline.bench.memory_peak import peak, peak_table
+    from benchmarks.pipeline.memory_peak import peak, peak_table
 
     def frame(path, line, name):
         return {"filename": path, "line": line, "name": name}
 
     torch_frame = frame("/venv/torch/nn/functional.py", 10, "linear")
-    h = [torch_frame, frame("/repo/kernels/sse_chunk.py", 540, "_forward"), frame("/repo/pipeline/bench/x.py", 1, "s")]
+    h = [torch_frame, frame("/repo/kernels/sse_chunk.py", 540, "_forward"), frame("/repo/benchmarks/pipeline/x.py", 1, "s")]
     dh = [frame("/repo/kernels/sse_chunk.py", 585, "_backward")]
     other = [torch_frame]
     events = [
@@ -122,8 +122,8 @@ def test_the_memory_peak_is_found_in_the_allocator_trace_and_charged_to_project_
 def test_the_dry_run_keeps_the_recipes_lengths_and_micro_batches():
     """DRY_RUN shrinks counts only: 32k rows and rollouts, the recipe's micro-batches of 2 rows, a mini-batch per
     optimizer step, and exactly one generation batch trained on in full."""
-    from pipeline.bench.paper_dry_run import DRY_RUN
-    from pipeline.placement import grpo_batching
+    from scripts.paper_dry_run import DRY_RUN
+    from pipeline.batching import grpo_batching
     from pipeline.recipe import load_recipe
 
     full = load_recipe("paper-2b")
@@ -139,7 +139,7 @@ def test_the_dry_run_keeps_the_recipes_lengths_and_micro_batches():
 
 
 def test_long_records_have_the_trace_lengths_of_openr1_math(tmp_path):
-    from pipeline.bench.paper_dry_run import write_long_records
+    from scripts.paper_dry_run import write_long_records
     from pipeline.data import read_records
 
     stats = write_long_records(tmp_path / "long.jsonl", 2000, 32768)
@@ -155,7 +155,7 @@ def test_a_stage_that_fails_is_reported_and_the_next_still_runs(tmp_path, monkey
     import json
 
     import pipeline.run
-    from pipeline.bench import paper_dry_run
+    from benchmarks.pipeline import paper_dry_run
 
     ran = []
 
@@ -179,7 +179,7 @@ def test_measured_rates_agree_with_a_real_runs_report():
     training and 12,318 generated tokens/s (the mean of the logged rates)."""
     from pathlib import Path
 
-    from pipeline.bench.paper_dry_run import measured_rates
+    from scripts.paper_dry_run import measured_rates
 
     rates = measured_rates(Path(__file__).resolve().parents[1] / "docs" / "runs" / "smollm2-135m")
     assert 3.95e6 / 299 * 0.95 < rates["distill"]["tokens_per_s"] < 3.95e6 / 299 * 1.15  # the first steps left out
@@ -191,7 +191,7 @@ def test_measured_rates_agree_with_a_real_runs_report():
 
 
 def test_projection_scales_each_stage_as_its_assumptions_say():
-    from pipeline.bench.paper_dry_run import projection
+    from scripts.paper_dry_run import projection
     from pipeline.recipe import load_recipe
 
     full = load_recipe("paper-2b")

@@ -151,7 +151,7 @@ def test_deferred_admission_packs_prefills_and_changes_no_output(tokenizer, over
                              overlap=overlap)
         outs = engine.generate(prompts, params)
         runs[fraction] = ([o.outputs[0].token_ids for o in outs], engine.stats.prefill_forwards)
-        assert not engine.has_unfinished() and len(engine.free_slots) == 6
+        assert not engine.has_unfinished() and len(engine.scheduler.free_slots) == 6
     assert runs[0.5][0] == runs[0.0][0]
     assert runs[0.5][1] < runs[0.0][1], runs
 
@@ -179,7 +179,7 @@ def test_slot_reuse_under_mixed_lengths_loses_and_mixes_nothing(model, tokenizer
         ref = model.generate(ids, max_new_tokens=p.max_tokens, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
         assert out.outputs[0].token_ids == ref.tolist()
         assert out.prompt == prompt
-    assert not engine.has_unfinished() and len(engine.free_slots) == 2
+    assert not engine.has_unfinished() and len(engine.scheduler.free_slots) == 2
 
 
 def test_stop_strings_and_stop_tokens(model, tokenizer):
@@ -243,11 +243,11 @@ def test_a_sleeping_engine_plans_its_memory_again_from_what_is_free_when_it_wake
     """Colocated with a trainer, the engine starts before the trainer's model and optimizer take their memory:
     without a budget of its own it plans at each wake from the memory free then (on an H100 the 2B trainer could
     not load beside an engine that had taken 90% of the free memory at its start). A given budget stays."""
-    import pipeline.rollout.engine as engine_module
+    import pipeline.rollout.cache as cache_module
 
     per_slot = make_engine(model, tokenizer).per_slot_bytes
     free = {"bytes": 20 * per_slot}
-    monkeypatch.setattr(engine_module, "default_memory_budget", lambda device: int(free["bytes"] * 0.9))
+    monkeypatch.setattr(cache_module, "default_memory_budget", lambda device: int(free["bytes"] * 0.9))
     engine = make_engine(model, tokenizer, max_slots=None)
     roomy = (engine.max_slots, engine.num_blocks)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
@@ -265,7 +265,7 @@ def test_a_sleeping_engine_plans_its_memory_again_from_what_is_free_when_it_wake
 
 
 def test_block_allocator_counts_references():
-    from sse_model.cache import BlockAllocator
+    from pipeline.rollout.cache import BlockAllocator
 
     blocks = BlockAllocator(4)
     a = blocks.allocate(3)
@@ -301,7 +301,7 @@ def test_forked_samples_share_the_prompts_full_blocks(model, tokenizer):
     engine = make_engine(model, tokenizer, max_model_len=96)
     prompt = "Compute the sum of the first ten primes."  # 40 tokens: 5 full blocks of 8
     engine.add_request(prompt + "?", SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=1, ignore_eos=True))
-    while len(engine.running) < 4:
+    while len(engine.scheduler.running) < 4:
         engine.step()
     # 41 tokens + the first sampled: 6 blocks for the prompt (5 full, shared) + 3 copies of the partly filled one
     assert engine.num_blocks - engine.cache.blocks.num_free == 6 + 3
@@ -331,7 +331,7 @@ def test_overlapped_steps_give_the_same_outputs(model, tokenizer, num_blocks):
         runs[overlap] = [o for out in engine.generate(prompts, params(stop)) for o in out.outputs]
         computed[overlap] = engine.stats.occupied_slot_steps
         assert not engine.has_unfinished() and engine._launched is None
-        assert engine.cache.blocks.num_free == engine.num_blocks and len(engine.free_slots) == 6
+        assert engine.cache.blocks.num_free == engine.num_blocks and len(engine.scheduler.free_slots) == 6
     for a, b in zip(runs[True], runs[False], strict=True):
         assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)  # preempted rows are recomputed by a prefill
@@ -352,7 +352,7 @@ def test_preempted_sequences_resume_exactly(model, tokenizer):
     for a, b in zip(outs, free):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-4)
-    assert tight.cache.blocks.num_free == tight.num_blocks and len(tight.free_slots) == 8
+    assert tight.cache.blocks.num_free == tight.num_blocks and len(tight.scheduler.free_slots) == 8
 
 
 def test_a_request_that_can_never_fit_is_refused(model, tokenizer):
@@ -577,16 +577,16 @@ def test_logprobs_match_the_trainer_beyond_4k_positions(model, tokenizer, dtype)
 def test_profile_engine_names_the_lines_that_launch_operators(model, tokenizer):
     """``profile_engine``'s table of operators by source line points at this project's code: one decode step's
     residual adds come from the output projections (``dispatch.linear``), none from the block."""
-    from pipeline.rollout.bench.profile_engine import operator_lines
+    from benchmarks.rollout.profile_engine import operator_lines
 
     engine = make_engine(model, tokenizer)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
-    while engine.waiting or engine.prefilling:
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
-    seq = engine.running[0]
+    seq = engine.scheduler.running[0]
     ids, slots = torch.tensor([seq.token_ids[-1]]), torch.tensor([seq.slot])
     with torch.no_grad():
-        rows = dict(operator_lines(lambda: engine._forward_decode(ids, slots), 1000))
+        rows = dict(operator_lines(lambda: engine.runner.forward_decode(ids, slots), 1000))
     assert rows.pop("(all operators)") == sum(rows.values()) > 0
     assert all(name.startswith(("sse_model/", "kernels/", "pipeline/", "(outside")) for name in rows)
     adds = {name.split()[0].rsplit(":", 1)[0] for name in rows if name.endswith("aten.add.Tensor")}
@@ -595,14 +595,14 @@ def test_profile_engine_names_the_lines_that_launch_operators(model, tokenizer):
 
 def test_profile_engine_times_one_prefill_forward(tokenizer):
     """``profile_engine``'s prefill rows: several prompts go in one packed forward, the engine's own prefill."""
-    from pipeline.rollout.bench.profile_engine import prefill_forward_ms
+    from benchmarks.rollout.profile_engine import prefill_forward_ms
 
     torch.manual_seed(3)
     config = SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                    eos_token_id=tokenizer.eos_token_id)
     engine = make_engine(SSEForCausalLM(config).eval(), tokenizer, max_slots=8, prefill_chunk_size=1024)
     assert prefill_forward_ms(engine, 4, 30, repeats=2) > 0
-    assert not engine.has_unfinished() and len(engine.free_slots) == 8
+    assert not engine.has_unfinished() and len(engine.scheduler.free_slots) == 8
 
 
 def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
@@ -610,7 +610,7 @@ def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
     float32 forward's log-probabilities of its own samples, so what it reports for bf16 is bf16's alone."""
     import copy
 
-    from pipeline.rollout.bench.bench_numerics import measure
+    from benchmarks.rollout.bench_numerics import measure
 
     torch.manual_seed(5)
     config = SSEConfig.from_preset("sse-h-tiny", max_position_embeddings=512)

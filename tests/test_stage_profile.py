@@ -1,4 +1,4 @@
-"""``python -m pipeline.bench.stage_profile``: a recipe's align and distill steps timed and profiled."""
+"""``python -m benchmarks.pipeline.stage_profile``: a recipe's align and distill steps timed and profiled."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.bench.stage_profile import main
+from benchmarks.pipeline.stage_profile import main
 from pipeline.tokenizer import build_char_tokenizer
 
 

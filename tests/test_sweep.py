@@ -1,4 +1,4 @@
-"""``python -m pipeline.bench.sweep``: recipe variants side by side from one shared start."""
+"""``python -m scripts.sweep``: recipe variants side by side from one shared start."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeline.bench.sweep import Variant, _run_all, commands, main, parse_variant
+from scripts.sweep import Variant, _run_all, commands, main, parse_variant
 
 
 def test_variants_start_from_the_shared_align_stage(tmp_path):
@@ -94,7 +94,7 @@ def test_no_more_variants_run_at_once_than_asked(tmp_path, parallel):
 
 
 def test_a_variant_goes_to_the_least_busy_gpu():
-    from pipeline.bench.sweep import least_busy
+    from scripts.sweep import least_busy
 
     assert least_busy(["0", "1", "2"], ["0", "2"]) == "1" and least_busy(["0", "1"], ["0", "1"]) == "0"
 

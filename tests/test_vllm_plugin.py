@@ -1,6 +1,6 @@
 """The vLLM plugin's parts that need no vLLM (``pipeline/rollout/vllm/plugin.py``): what it refuses, the state
 shapes it asks vLLM for, and where each checkpoint tensor lands. The model itself runs on the GPU
-(``python -m pipeline.rollout.vllm.site check-plugin``)."""
+(``python -m scripts.vllm_site check-plugin``)."""
 
 import subprocess
 import sys

@@ -1,7 +1,7 @@
-"""The vLLM site packer's local steps (``pipeline/rollout/vllm/site.py``); downloading and the GPU check are not
+"""The vLLM site packer's local steps (``scripts/vllm_site.py``); downloading and the GPU check are not
 run here."""
 
-from pipeline.rollout.vllm.site import DROP, drop_unused, split
+from scripts.vllm_site import DROP, drop_unused, split
 
 
 def test_drop_unused_removes_what_an_h100_run_never_loads(tmp_path):

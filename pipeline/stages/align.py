@@ -23,7 +23,7 @@ from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, w
 from ..data import chat_ids, sft_dataset
 from ..metrics import MetricsLogger, plot_curves, read_metrics
 from ..models import TRAINING_DTYPE, load_model, load_teacher, trainer_options, training_device
-from ..placement import align_batching
+from ..batching import align_batching
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def plot_layers(metrics_path: Path, png_path: Path) -> Path | None:
 
 def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None, callbacks: Sequence = ()) -> Path:
     """Aligns the converted model (``start_from``, else the recipe's model) and returns ``<out_dir>/final``;
-    ``callbacks``: more ``TrainerCallback``s (the step profiler's, :mod:`pipeline.bench.stage_profile`)."""
+    ``callbacks``: more ``TrainerCallback``s (the step profiler's, :mod:`benchmarks.pipeline.stage_profile`)."""
     out_dir = Path(out_dir)
     final = out_dir / "final"
     if is_done(final):

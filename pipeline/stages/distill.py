@@ -21,7 +21,7 @@ from ..data import drop_overlong, sft_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, plot_curves
 from ..models import TRAINING_DTYPE, fsdp_precision, load_model, load_teacher, trainer_options, training_device, uses_fsdp
-from ..placement import distill_batching
+from ..batching import distill_batching
 from ..recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class SSESFTTrainer(BalanceLossMixin, TeacherKLMixin, SFTTrainer):
 
 def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, callbacks: Sequence = ()) -> Path:
     """Trains and returns the directory of the final model (``<out_dir>/final``); ``callbacks``: more
-    ``TrainerCallback``s (the step profiler's, :mod:`pipeline.bench.stage_profile`)."""
+    ``TrainerCallback``s (the step profiler's, :mod:`benchmarks.pipeline.stage_profile`)."""
 
     out_dir = Path(out_dir)
     final = out_dir / "final"

@@ -40,7 +40,7 @@ from ..data import prompt_dataset
 from ..distributed import is_main_process, world
 from ..metrics import MetricsLogger, Timer, plot_curves
 from ..models import TRAINING_DTYPE, fsdp_precision, load_model, trainer_options, training_device, uses_fsdp
-from ..placement import grpo_batching
+from ..batching import grpo_batching
 from ..packing import packed_logps
 from ..recipe import Recipe
 from ..rollout import SamplingParams

@@ -7,7 +7,7 @@ from functools import cached_property
 
 import torch
 
-from ..cache import SlotCache, SSEHybridCache
+from ..cache import ModelCache
 from ..ops.attention import Segments, segments_of
 
 
@@ -25,7 +25,7 @@ class ForwardContext:
     token_mask: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
-    cache: SSEHybridCache | SlotCache | None = None
+    cache: ModelCache | None = None
 
     @property
     def use_cache(self) -> bool:

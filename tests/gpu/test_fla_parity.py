@@ -24,7 +24,7 @@ from flash_attn_shim import install
 
 # fla autotunes every kernel over many configs (minutes of compilation per kernel on a fresh machine); parity
 # does not depend on tile choices, so every autotuner, fla's cached one included, keeps its first config
-from kernels.bench.bench_sse import limit_autotune  # noqa: E402
+from benchmarks.kernels.bench_sse import limit_autotune  # noqa: E402
 
 limit_autotune()
 install()

@@ -148,7 +148,7 @@ def test_chunk_kernels_at_real_head_dims(D):
     """bf16 SSE and GLA chunk kernels, 9 heads, at the head dims of real checkpoints other than the 2B model's
     (packed lengths 1 / 63 / 64 / 65 / 4097): at 64 the first backward died with an illegal memory access (a
     one-value-block ``_bwd_dqkg`` that Triton miscompiles, ``kernels/sse_chunk.py::CONFIGS``)."""
-    from kernels.bench.real_shapes import check_chunk
+    from benchmarks.kernels.real_shapes import check_chunk
 
     rows = list(check_chunk(9, D, "bfloat16", 4, 1))
     RESULTS.extend((f"{r['kernel']} {r['shape']}: o+state / grad", r["out"], r["grad"]) for r in rows)
@@ -158,8 +158,8 @@ def test_chunk_kernels_at_real_head_dims(D):
 def test_converted_smollm2_shapes_train_and_generate():
     """SmolLM2-135M converted to SSE-H (its exact shapes, random weights): a packed bf16 training step on the
     Triton backend and the engine's sampled log-probabilities, each against float32 within 1.5x / 2x of what the
-    PyTorch ops give in bf16 (``kernels.bench.real_shapes.check_model``)."""
-    from kernels.bench.real_shapes import check_model
+    PyTorch ops give in bf16 (``benchmarks.kernels.real_shapes.check_model``)."""
+    from benchmarks.kernels.real_shapes import check_model
 
     rows = list(check_model("smollm2-135m"))
     RESULTS.extend((f"smollm2 shapes: {r['kernel']} (bound {r['tol']:.1e})"[:45], r["out"], 0.0) for r in rows)
@@ -529,12 +529,12 @@ def test_engine_decode_step_paged_equals_gather():
     for n in (300, 517, 900):
         engine.add_request(torch.randint(0, cfg.vocab_size, (n,)).tolist(),
                            SamplingParams(n=4, max_tokens=64, ignore_eos=True, seed=n))
-    while engine.waiting or engine.prefilling:
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
     for _ in range(5):
         engine.step()  # the graph is captured and replayed
-    ids = torch.tensor([s.token_ids[-1] for s in engine.running], device="cuda")
-    slots = torch.tensor([s.slot for s in engine.running], device="cuda")
+    ids = torch.tensor([s.token_ids[-1] for s in engine.scheduler.running], device="cuda")
+    slots = torch.tensor([s.slot for s in engine.scheduler.running], device="cuda")
     cache = engine.cache  # each forward below decodes the same token from the same lengths and states
     live = [cache.lengths, *cache.linear.values(), *(c for pair in cache.conv.values() for c in pair)]
     saved = [t.clone() for t in live]
@@ -542,12 +542,12 @@ def test_engine_decode_step_paged_equals_gather():
     with torch.no_grad():
         for name, graphs, paged in (("graph", True, True), ("eager", False, True), ("gather", False, False),
                                     ("torch", False, False)):
-            engine.use_cuda_graphs, cache.paged_decode = graphs, paged
+            engine.runner.use_cuda_graphs, cache.paged_decode = graphs, paged
             for t, value in zip(live, saved):
                 t.copy_(value)
             os.environ["SSE_BACKEND"] = "torch" if name == "torch" else ""
             try:
-                logits[name] = engine._forward_decode(ids, slots).float().clone()
+                logits[name] = engine.runner.forward_decode(ids, slots).float().clone()
             finally:
                 del os.environ["SSE_BACKEND"]
     errors = rel(logits["graph"], logits["gather"]), rel(logits["eager"], logits["gather"])
@@ -614,9 +614,9 @@ def test_checkpointing_rebuild_keeps_what_it_should(keep):
 
 @pytest.mark.parametrize("kv_heads", [H, 6])
 def test_paged_decode_attention_real_sizes(kv_heads):
-    """The paged kernel against the engine's gather + SDPA path (``kernels/bench/bench_paged.py``), bf16 cache,
+    """The paged kernel against the engine's gather + SDPA path (``benchmarks/kernels/bench_paged.py``), bf16 cache,
     blocks of 256 tokens, lengths from one token to four blocks and a half."""
-    from kernels.bench.bench_paged import gather_path
+    from benchmarks.kernels.bench_paged import gather_path
     from kernels.paged_attention import paged_decode_attention
 
     B, block_size, per_seq = 8, 256, 5
@@ -635,9 +635,9 @@ def test_paged_decode_attention_real_sizes(kv_heads):
 
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_skinny_linear_real_sizes(rows):
-    """A decode step's products of sse-h-2b (``kernels/bench/bench_skinny.py``) against float32 products, the
+    """A decode step's products of sse-h-2b (``benchmarks/kernels/bench_skinny.py``) against float32 products, the
     residual in the epilogue."""
-    from kernels.bench.bench_skinny import SHAPES
+    from benchmarks.kernels.bench_skinny import SHAPES
     from kernels.skinny import skinny_linear
 
     worst = 0.0
@@ -654,7 +654,7 @@ def test_skinny_linear_real_sizes(rows):
 def test_race_sample_real_sizes():
     """The one-pass sampler against the PyTorch sampler at GRPO's batch and Qwen's vocabulary (bf16 logits): the
     same token in every row whose race is not a float tie, the same log-probability."""
-    from kernels.bench.real_shapes import check_sampler
+    from benchmarks.kernels.real_shapes import check_sampler
 
     (r,) = check_sampler(151936, 256)
     RESULTS.append(("one-pass sampler: log-prob rel err", r["out"], 0.0))

@@ -37,7 +37,7 @@ def test_gpu_recipe_end_to_end_small(tmp_path):
 
 def test_gpu_recipe_with_vllm_engines(tmp_path):
     """The same run with vLLM (this package's plugin) as the rollout engine of GRPO and evaluation
-    (``engine.backend: vllm``; vLLM on the path: ``python -m pipeline.rollout.vllm.site``). Attention heads as wide
+    (``engine.backend: vllm``; vLLM on the path: ``python -m scripts.vllm_site``). Attention heads as wide
     as the linear ones: vLLM sizes its KV pages from ``head_dim``."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")

@@ -2,7 +2,7 @@
 plugin) against this package's engine on a small random SSE-H: greedy tokens, then again after new weights and
 after a sleep. One test a process (vLLM's sleep-mode allocator allows one engine a process, and an engine here is not
 shut down): ``for k in follows admits; do PYTHONPATH=/tmp/vllm-site:$PWD pytest -s tests/gpu/test_vllm_gpu.py -k $k;
-done`` (vLLM on the path: ``python -m pipeline.rollout.vllm.site``)."""
+done`` (vLLM on the path: ``python -m scripts.vllm_site``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def converted_smollm2_shape(seed: int) -> SSEForCausalLM:
     and 3 key-value heads, the converted layers' low-rank features."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kernels.bench.bench_packed import SMOLLM2
+    from benchmarks.kernels.bench_packed import SMOLLM2
     from sse_model.convert import convert_to_sse
 
     torch.manual_seed(seed)

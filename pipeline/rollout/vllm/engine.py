@@ -12,10 +12,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import torch
 
 from ..engine import CompletionOutput, RequestOutput
 from ..sampling import SamplingParams
+
+
+def vllm_environment() -> None:
+    """vLLM's settings for a site packed here (callers' own settings win): the FlashInfer sampler JIT-compiles
+    from sources the pack drops, and vLLM's engine core never came up as a separate process on the GPU
+    machine (sandboxed), while in the calling process it does."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # prompt + 32k new tokens past a 32k preset
 
 
 def import_vllm():
@@ -26,7 +37,7 @@ def import_vllm():
         raise ImportError(
             "engine.backend: vllm needs vLLM 0.25.1, which is not importable here "
             f"({error}); pip install 'sse-pipeline[vllm]', or bring it to a machine without a package index "
-            "with python -m pipeline.rollout.vllm.site; engine.backend: sse is this package's engine"
+            "with python -m scripts.vllm_site; engine.backend: sse is this package's engine"
         ) from error
     return vllm
 
@@ -71,7 +82,6 @@ class VllmEngine:
             raise TypeError("engine.backend: vllm serves a checkpoint folder; got a model object")
         import_vllm()
         from .plugin import register
-        from .site import vllm_environment
 
         vllm_environment()
         register()

@@ -7,7 +7,7 @@ vLLM calls :func:`register` in each of its processes through the ``vllm.general_
 - softmax-attention layers (``attn``, ``swa``) run through vLLM's ``Attention`` (paged KV cache, its kernels);
 - linear layers (``sse``, ``gla``, ``gdn``, ``retnet``) are stateful, mamba-style layers: vLLM keeps one state row
   per sequence, ``[1 + N, H, K, V]`` float32 for SSE (the shared partition and the N sparse ones, as in this
-  package's :class:`~sse_model.cache.SlotCache`), and each layer runs this package's own mixer over it
+  package's :class:`~pipeline.rollout.cache.SlotCache`), and each layer runs this package's own mixer over it
   (:func:`run_linear_layer`, here so that it runs without vLLM): our Triton decode kernel for one token per
   sequence, the chunked kernels for prompts;
 - embeddings, norms, MLPs and the head are this package's modules, so a checkpoint of ``SSEForCausalLM`` loads by

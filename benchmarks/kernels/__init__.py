@@ -1,0 +1,1 @@
+"""GPU benchmarks of the Triton kernels (see ``bench_sse.py``)."""

@@ -1,0 +1,169 @@
+"""The pipeline's stages on several GPUs of one machine, as a user runs them (``sse-pipeline ... --gpus N``, one
+process tree per run), timed from the stages' own logs.
+
+    python -m benchmarks.pipeline.multi_gpu distill --gpus 1 2 4 --out runs/mgpu            # paper-2b's distillation
+    python -m benchmarks.pipeline.multi_gpu distill --gpus 4 --preset sse-h-7b --sharding ddp fsdp --out runs/mgpu
+    python -m benchmarks.pipeline.multi_gpu same-steps --gpus 1 2 --out runs/mgpu           # one model on 1 and 2 GPUs
+
+``distill``: ``recipes/paper-2b``'s distillation with only its step count shrunk (the dry run's settings,
+:data:`scripts.paper_dry_run.DRY_RUN`: random weights of the preset, rows of 32,768 tokens, 16 rows an
+optimizer step), for each GPU count and sharding; prints tokens/s over the steps after the first (compilation is
+in the first), the ratio to the first row's, and the peak GPU memory in use (``nvidia-smi``, the busiest GPU). A
+run that fails (out of memory) is a row saying so.
+
+``same-steps``: ``recipes/gpu-100m``'s distillation shrunk to 10 steps with ``deterministic=true``, on each GPU
+count: the per-step loss's largest relative difference from the first count's, and the final weights' largest
+difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.metrics import read_metrics
+from scripts.paper_dry_run import DRY_RUN, MemoryPoll, write_long_records
+
+# NVLink multicast off in every process the runs start (it can put a shared host's GPUs out of service)
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def run_stage(stage: str, recipe: str, overrides: list[str], gpus: int, log: Path, timeout_s: float) -> dict:
+    """``sse-pipeline <stage> <recipe> <overrides> --gpus <gpus>`` in a process of its own; its wall-clock, exit
+    status, the last line of its error output and the peak GPU memory in use while it ran."""
+    command = [sys.executable, "-m", "pipeline.cli", stage, recipe, *overrides, "--gpus", str(gpus)]
+    start = time.time()
+    with MemoryPoll() as memory, log.open("w") as out:
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env={**os.environ, **SAFE_ENV}).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    error = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
+    return {"seconds": time.time() - start, "exit": code, "error": error if code != 0 else "",
+            "peak_gib": memory.peak_mib / 1024 if memory.peak_mib else None}
+
+
+def distill_rate(run_dir: Path) -> dict:
+    """Tokens/s and seconds a step over the logged steps after the first (TRL's ``num_tokens`` counts every
+    worker's tokens)."""
+    rows = [r for r in read_metrics(run_dir / "distill" / "metrics.jsonl") if "num_tokens" in r and "time/step_s" in r]
+    if len(rows) < 2:
+        return {}
+    tokens = rows[-1]["num_tokens"] - rows[0]["num_tokens"]
+    seconds = sum(r["time/step_s"] * (r["step"] - p["step"]) for p, r in zip(rows, rows[1:]))
+    return {"tokens_per_s": tokens / seconds, "step_s": seconds / (rows[-1]["step"] - rows[0]["step"]),
+            "first_step_s": rows[0]["time/step_s"], "steps": rows[-1]["step"]}
+
+
+def bench_distill(args) -> list[dict]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "long_records.jsonl"
+    if not data.exists():
+        write_long_records(data, 2000, 32768 - 256)
+    results = []
+    for sharding in args.sharding:
+        for gpus in args.gpus:
+            name = f"distill-{args.preset}-{sharding}-{gpus}gpu"
+            overrides = [*DRY_RUN, f"model.preset={args.preset}", f"distill.data.source={data}",
+                         f"distill.max_steps={args.steps}", f"sharding={sharding}", f"output_dir={out / name}",
+                         *args.overrides]
+            print(f"{name}: running", flush=True)
+            run = run_stage("distill", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
+            results.append({"name": name, "gpus": gpus, "sharding": sharding, **run,
+                            **distill_rate(out / name)})
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def distill_table(results: list[dict]) -> str:
+    base = next((r["tokens_per_s"] for r in results if r.get("tokens_per_s")), None)
+    lines = ["| run | GPUs | sharding | tokens/s | x first row | s/step | first step s | peak GiB (busiest GPU) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r.get("tokens_per_s"):
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['sharding']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['tokens_per_s'] / base:.2f} | {r['step_s']:.2f} | {r['first_step_s']:.1f} | "
+                         f"{r['peak_gib'] or 0:.1f} |")
+        else:
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['sharding']} | failed (exit {r['exit']}): "
+                         f"{r['error'][:160]} | | | | {r['peak_gib'] or 0:.1f} |")
+    return "\n".join(lines)
+
+
+def bench_same_steps(args) -> list[dict]:
+    """The same 10 deterministic steps on each GPU count."""
+    from pipeline.checkpoints import is_done
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for gpus in args.gpus:
+        name = f"same-steps-{gpus}gpu"
+        overrides = ["distill.max_steps=10", "distill.logging_steps=1", "distill.save_steps=100",
+                     "deterministic=true", f"output_dir={out / name}", *args.overrides]
+        run = run_stage("distill", "gpu-100m", overrides, gpus, out / f"{name}.log", args.timeout)
+        losses = [r["loss"] for r in read_metrics(out / name / "distill" / "metrics.jsonl") if "loss" in r]
+        results.append({"name": name, "gpus": gpus, **run, "losses": losses,
+                        "final": str(out / name / "distill" / "final") if is_done(out / name / "distill" / "final")
+                        else None})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def same_steps_table(results: list[dict]) -> str:
+    import torch
+
+    from sse_model.checkpoint import load_pretrained
+
+    base = results[0]
+    reference = load_pretrained(base["final"]).state_dict() if base["final"] else None
+    lines = ["| GPUs | steps | loss first -> last | max relative loss difference to the first row | "
+             "max weight difference |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        if not r["losses"]:
+            lines.append(f"| {r['gpus']} | failed (exit {r['exit']}): {r['error'][:160]} | | | |")
+            continue
+        n = min(len(r["losses"]), len(base["losses"]))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], base["losses"][:n]))
+        weights = ""
+        if reference is not None and r["final"]:
+            other = load_pretrained(r["final"]).state_dict()
+            weights = f"{max(float((other[k].float() - v.float()).abs().max()) for k, v in reference.items()):.2e}"
+        lines.append(f"| {r['gpus']} | {len(r['losses'])} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | "
+                     f"{rel:.2e} | {weights} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("distill", "same-steps"))
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--preset", default="sse-h-2b")
+    parser.add_argument("--sharding", nargs="+", default=["auto"], choices=("auto", "ddp", "fsdp"))
+    parser.add_argument("--steps", type=int, default=3, help="distill: optimizer steps a run (the first is not timed)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
+    parser.add_argument("--out", default="runs/multi-gpu")
+    parser.add_argument("overrides", nargs="*", help="more key=value overrides of every run")
+    args = parser.parse_intermixed_args()
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if args.what == "distill":
+        table = distill_table(bench_distill(args))
+    else:
+        table = same_steps_table(bench_same_steps(args))
+    text = f"{args.what} on {device} ({' '.join(sys.argv[1:])})\n\n{table}\n"
+    print(text)
+    (Path(args.out) / f"{args.what}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

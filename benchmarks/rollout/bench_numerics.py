@@ -1,0 +1,99 @@
+"""Engine against trainer log-probabilities far into a sequence: are the rollouts the policy being trained?
+
+For each position P in ``--positions``: a random prompt of P tokens; the engine (its weights in ``--engine-dtype``,
+chunked prefill, recurrent decode) samples ``--new-tokens`` tokens and returns their log-probabilities; the
+trainer (float32 master weights under bf16 autocast on CUDA, one full forward as in a training step) scores the
+same tokens. Prints, per position, mean and max |logp_engine - logp_trainer| and the token-level importance ratio
+that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]), for each ``--residual`` of the
+engine: its skip connections in the weights' dtype, or in float32 as the trainer adds them (``residual_dtype``).
+Beside them, how far each is from the same weights computed in float32 throughout (no autocast): the gap two
+bf16 computations of one model leave between them is what neither can close alone. Random weights.
+
+    python -m benchmarks.rollout.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
+    python -m benchmarks.rollout.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from pipeline.rollout.engine import Engine
+from pipeline.rollout.sampling import SamplingParams
+
+
+def trainer_logprobs(model, ids: list[int], start: int, device: torch.device, autocast: bool = True) -> torch.Tensor:
+    """Log-probabilities of ``ids[start:]`` as the GRPO trainer computes them (bf16 autocast on CUDA), or in
+    float32 throughout (``autocast=False``: the reference both bf16 computations stray from)."""
+    x = torch.tensor([ids], device=device)
+    on = autocast and device.type == "cuda"
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=on):
+        logits = model(x, logits_to_keep=len(ids) - start + 1).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, start:, None]).squeeze(-1).cpu()
+
+
+def measure(trainer_model, engine: Engine, position: int, new_tokens: int, device: torch.device, seed: int) -> dict:
+    vocab = trainer_model.config.vocab_size
+    prompt = torch.randint(0, vocab, (position,), generator=torch.Generator().manual_seed(seed)).tolist()
+    start = time.perf_counter()
+    out = engine.generate(prompt, SamplingParams(max_tokens=new_tokens, seed=seed, ignore_eos=True))[0].outputs[0]
+    engine_s = time.perf_counter() - start
+    engine_logps = torch.tensor(out.logprobs)
+    trainer_logps = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device)
+    reference = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device, autocast=False)
+    gap = (engine_logps - trainer_logps).abs()
+    ratio = (trainer_logps - engine_logps).exp()
+    return {"position": position, "tokens": len(gap), "mean": gap.mean().item(), "max": gap.max().item(),
+            "engine_fp32": (engine_logps - reference).abs().mean().item(),
+            "trainer_fp32": (trainer_logps - reference).abs().mean().item(),
+            "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+            "outside": ((ratio > 2) | (ratio < 0.5)).float().mean().item(), "engine_s": engine_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="sse-h-2b")
+    parser.add_argument("--positions", type=int, nargs="+", default=[2048, 8192, 32000])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--residual", nargs="+", default=["weights", "float32"], choices=["weights", "float32"],
+                        help="the engine's residual stream: the weights' dtype, or float32 (engine residual_dtype)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        import kernels
+
+        kernels.register()
+    torch.manual_seed(args.seed)
+    config = SSEConfig.from_preset(args.preset, max_position_embeddings=max(args.positions) + args.new_tokens)
+    trainer_model = SSEForCausalLM(config).to(device).eval()  # float32 master weights
+    rows = []
+    for residual in args.residual:
+        engine_model = copy.deepcopy(trainer_model).to(getattr(torch, args.engine_dtype))
+        engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
+                        prefill_chunk_size=8192, use_cuda_graphs=False,
+                        residual_dtype=torch.float32 if residual == "float32" else None)
+        rows += [{"residual": residual, **measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i)}
+                 for i, p in enumerate(args.positions)]
+        del engine, engine_model
+    print(f"\n{args.preset}: engine {args.engine_dtype} vs trainer float32 weights"
+          f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
+          f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'})\n")
+    print("| engine residual | position | mean abs logp gap | max abs logp gap | ratio mean | ratio min | ratio max "
+          "| outside [1/2, 2] | mean gap, engine to float32 | mean gap, trainer to float32 | engine s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['residual']} | {r['position']} | {r['mean']:.2e} | {r['max']:.2e} | {r['ratio_mean']:.3f} "
+              f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | {r['outside']:.1%} | {r['engine_fp32']:.2e} "
+              f"| {r['trainer_fp32']:.2e} | {r['engine_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-"""GPU benchmarks of the kernels (see ``bench_sse.py``)."""
