@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.files import read_records
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -47,44 +48,6 @@ class Problem:
     id: str
     problem: str
     answer: str
-
-
-def read_records(path: Path) -> list[tuple[str, dict]]:
-    """``(place, record)`` of every record of a JSONL / JSON / parquet file; ``place`` names the file and line
-    (JSONL) or record index, for error messages."""
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
-    if suffix == ".json":
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: invalid JSON ({err})") from err
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of records")
-        return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
-    records = []
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:{number}: not UTF-8 text (byte {err.start} of the line: "
-                                 f"{err.reason})") from err
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object")
-            records.append((f"{path}:{number}", record))
-    return records
 
 
 def _to_problems(records, problem_field: str, answer_field: str, id_field: str | None) -> list[Problem]:

@@ -4,22 +4,9 @@ and a plot (accuracy per benchmark with 95% intervals, pass@k curves)."""
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Writes through a temporary file of the same folder, then renames it over ``path``: a reader never sees half a
-    file. The file gets the mode an ordinary write would (the umask's), not mkstemp's owner-only one, so the other
-    users of a shared cluster read the reports."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "xb") as handle:
-        handle.write(data.encode() if isinstance(data, str) else data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+from common.files import atomic_write
 
 
 def summary_json(summary: dict, indent: int = 2) -> str:

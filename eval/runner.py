@@ -18,8 +18,9 @@ from rewards.extract import last_boxed
 from rewards.verify import MathVerifier
 
 from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problems
-from .generation import INSTRUCTION, GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt, request_seed
-from .jsonl import read_jsonl, repair_tail
+from .generation import GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
+from common.generation import INSTRUCTION, request_seed
+from common.files import read_jsonl, repair_tail
 from .metrics import cluster_answers, summarize
 from .report import write_reports
 
@@ -76,13 +77,13 @@ def check_settings(log_path: Path, settings: dict, fresh: bool = False) -> None:
             for old in olds + [path]:
                 old.rename(aside / old.name)
     if not path.exists():
-        from .report import atomic_write
+        from common.files import atomic_write
 
         atomic_write(path, json.dumps(settings, indent=2))
 
 
 def read_generations(path: Path) -> list[dict]:
-    """Records of a generations file (see :mod:`eval.jsonl`)."""
+    """Records of a generations file (see :mod:`common.files`)."""
     return read_jsonl(path)
 
 

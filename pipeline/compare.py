@@ -31,7 +31,8 @@ from pathlib import Path
 import yaml
 
 from eval.metrics import bootstrap_ci
-from eval.report import accuracy, accuracy_cell, answer_style, atomic_write, percent_ci
+from eval.report import accuracy, accuracy_cell, answer_style, percent_ci
+from common.files import atomic_write
 
 from .metrics import first_last_means, moving_average, read_metrics
 from .recipe import stage_settings

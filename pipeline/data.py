@@ -15,8 +15,10 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from eval.benchmarks import DATA_DIR, read_records
-from eval.generation import INSTRUCTION, user_message
+from eval.benchmarks import DATA_DIR
+
+from common.files import read_records
+from common.generation import INSTRUCTION, user_message
 
 from .recipe import DataSpec
 from .synthetic import BUILTINS

@@ -11,7 +11,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from eval.jsonl import read_jsonl, repair_tail
+from common.files import read_jsonl, repair_tail
 
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class MetricsLogger(TrainerCallback):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Every record of a metrics log; torn lines are skipped with a warning (see :mod:`eval.jsonl`)."""
+    """Every record of a metrics log; torn lines are skipped with a warning (see :mod:`common.files`)."""
     return read_jsonl(path)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from eval.generation import INSTRUCTION
+from common.generation import INSTRUCTION
 
 from .errors import RecipeError
 

@@ -85,7 +85,7 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
     return fresh
 
 
-PROJECT_PACKAGES = ("sse_model", "kernels", "pipeline", "rewards", "eval")
+PROJECT_PACKAGES = ("common", "sse_model", "kernels", "pipeline", "rewards", "eval")
 
 
 def runtime_env(recipe: Recipe) -> dict:
@@ -294,7 +294,7 @@ def preflight(recipe: Recipe, stages: tuple[str, ...]) -> None:
     for stage in enabled:
         if stage in engines and engines[stage].backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise RecipeError(f"{stage}.engine.backend: vllm needs vLLM 0.25.1, which is not installed "
-                              "(pip install 'sse-pipeline[vllm]', or python -m scripts.vllm_site); "
+                              "(pip install 'sse-pipeline[vllm]', or python -m scripts.vllm_site from a checkout); "
                               "engine.backend: sse is this package's engine")
     if "eval" in enabled:
         from eval.benchmarks import BENCHMARKS
@@ -434,7 +434,7 @@ def _record_start(stage_dir: Path, start: str | None) -> None:
     from another run's model (``--checkpoint``) with that model's evaluation. None: a fresh model (nothing to pair)."""
     if start is None:
         return
-    from eval.report import atomic_write
+    from common.files import atomic_write
 
     from .stages.evaluate import model_id
 

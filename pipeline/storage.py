@@ -176,12 +176,6 @@ def _download(uri: str, tmp: Path) -> None:
                           f"store it again, e.g. --redo the stage that wrote it")
 
 
-def is_complete(uri: str) -> bool:
-    """Whether a complete stored copy is at ``uri``."""
-    fs, path = _filesystem(uri)
-    return _marker(fs, path) is not None
-
-
 def _stored_checkpoints(uri: str) -> list[tuple[int, str]]:
     """``(step, uri)`` of the complete ``checkpoint-N`` copies under ``uri``, newest first."""
     from pyarrow import fs as pafs

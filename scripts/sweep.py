@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.report import accuracy_cell, atomic_write
+from eval.report import accuracy_cell
+
+from common.files import atomic_write
 
 from pipeline.metrics import first_last_means, read_metrics
 from pipeline.recipe import load_recipe

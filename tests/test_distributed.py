@@ -150,7 +150,7 @@ def test_grpo_runs_its_engine_on_another_node_through_storage(tmp_path, monkeypa
             return ray.get_runtime_context().runtime_env.get("py_modules", [])
 
         # the job ships the project's packages to the nodes (ray.ship_project): one uploaded package each
-        assert len(ray.get(shipped.remote())) == 5
+        assert len(ray.get(shipped.remote())) == 6
     finally:
         ray.shutdown()
         cluster.shutdown()

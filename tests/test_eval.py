@@ -473,7 +473,7 @@ def test_reports_are_written_whole_and_readable_by_the_other_users(tmp_path):
     write would: other users of a shared cluster read summaries and tables (mkstemp's files are the owner's alone)."""
     import os
 
-    from eval.report import atomic_write
+    from common.files import atomic_write
 
     path = tmp_path / "eval" / "summary.json"
     mask = os.umask(0o022)

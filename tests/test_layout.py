@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sse_model", "kernels", "pipeline", "rewards", "eval")
+PACKAGES = ("common", "sse_model", "kernels", "pipeline", "rewards", "eval")
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -88,10 +88,11 @@ def test_rollout_folder_keeps_one_job_per_place():
     assert (ROOT / "pipeline" / "rollout" / "vllm" / "plugin.py").exists()
 
 
-# which package may import which (the design's layers): the model at the bottom, kernels registering into its
-# dispatch, rewards and evaluation as libraries, the pipeline on top; benchmarks and scripts may use them all
-LAYERS = {"sse_model": set(), "kernels": {"sse_model"}, "rewards": set(), "eval": {"sse_model", "rewards"},
-          "pipeline": {"sse_model", "kernels", "rewards", "eval"}}
+# which package may import which (the design's layers): shared helpers and the model at the bottom, kernels
+# registering into its dispatch, rewards and evaluation as libraries, the pipeline on top; benchmarks and scripts
+# may use them all
+LAYERS = {"common": set(), "sse_model": {"common"}, "kernels": {"common", "sse_model"}, "rewards": {"common"},
+          "eval": {"common", "sse_model", "rewards"}, "pipeline": {"common", "sse_model", "kernels", "rewards", "eval"}}
 
 
 def package_imports(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:

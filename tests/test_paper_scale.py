@@ -56,7 +56,7 @@ def test_a_bench_step_is_the_trainers_loss_and_moves_the_weights():
 
 def test_a_benchmarked_model_is_a_preset_with_typed_settings():
     """``--models sse-h-2b:sse_backward_head_groups=3,...``: the preset, and its settings read as YAML values."""
-    from benchmarks.pipeline import model_spec
+    from benchmarks.common import model_spec
 
     assert model_spec("sse-h-2b") == ("sse-h-2b", {})
     assert model_spec("sse-h-2b:sse_backward_head_groups=3,checkpointing_keeps_linear_attention=true") == (
@@ -71,7 +71,7 @@ def test_a_benchmarked_model_is_freed_before_the_next_is_built():
     import gc
     import weakref
 
-    from benchmarks.pipeline import release
+    from benchmarks.common import release
     from benchmarks.pipeline.train_at_length import measure
 
     enabled = gc.isenabled()
@@ -155,7 +155,7 @@ def test_a_stage_that_fails_is_reported_and_the_next_still_runs(tmp_path, monkey
     import json
 
     import pipeline.run
-    from benchmarks.pipeline import paper_dry_run
+    from scripts import paper_dry_run
 
     ran = []
 

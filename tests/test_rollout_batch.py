@@ -201,3 +201,15 @@ def test_masked_tokens_leave_the_token_count(tmp_path):
     assert out["completion_mask"].tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
     assert int(out["num_items_in_batch"]) == 4
     assert (out["advantages"][out["completion_mask"] == 0] == 0).all()
+
+
+def test_grpo_groups_are_positions_not_equal_prompts():
+    """A generation batch's groups by position: two groups of one prompt stay two (grouping by equal text merged
+    them up to the limit), and a batch not laid out as TRL's sampler lays it out is refused."""
+    from pipeline.stages.grpo import prompt_groups
+
+    assert prompt_groups(["a", "a", "a", "a", "b", "b"], 2) == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(RuntimeError, match="rows 2..3 of a generation batch are not one prompt's 2 samples"):
+        prompt_groups(["a", "a", "a", "b"], 2)
+    with pytest.raises(RuntimeError, match="not whole groups of 4"):
+        prompt_groups(["a"] * 6, 4)

@@ -626,7 +626,8 @@ def test_generation_stops_at_every_end_the_checkpoint_names(tokenizer):
     """A checkpoint may name its end of turn in its generation config alone (SmolLM2's trained models: config and
     tokenizer 1, generation config [1, 2], after a tokenizer that misread its end): the engine and HF ``generate``
     stop at each end the model config, the generation config or the tokenizer names, as vLLM does."""
-    from eval.generation import HFGenerateBackend, SamplingConfig, end_of_sequence_ids
+    from eval.generation import HFGenerateBackend, SamplingConfig
+    from common.generation import end_of_sequence_ids
 
     torch.manual_seed(0)
     model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny", vocab_size=len(tokenizer))).eval()

@@ -26,7 +26,7 @@ def test_sse_builds_this_package_engine():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_vllm_missing_is_named_with_its_key(tmp_path):
-    with pytest.raises(ImportError, match=r"engine.backend: vllm needs vLLM 0.25.1.*vllm\.site"):
+    with pytest.raises(ImportError, match=r"engine.backend: vllm needs vLLM 0.25.1.*scripts\.vllm_site"):
         create_engine(str(tmp_path), None, backend="vllm")
 
 

@@ -119,7 +119,6 @@ def bench_same_steps(args) -> list[dict]:
 
 
 def same_steps_table(results: list[dict]) -> str:
-    import torch
 
     from sse_model.checkpoint import load_pretrained
 

@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     if args.checkpoint:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from eval.generation import INSTRUCTION
+        from common.generation import INSTRUCTION
 
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)

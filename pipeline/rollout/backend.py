@@ -7,7 +7,7 @@ from eval.generation import Completion
 from .sampling import SamplingParams
 
 
-def group_consecutive(keys: list, limit: int) -> list[list[int]]:
+def _runs(keys: list, limit: int) -> list[list[int]]:
     """Indices of ``keys`` in runs of equal consecutive keys, at most ``limit`` long: each run becomes one engine
     request with ``n`` samples (its prompt prefilled once, its state forked)."""
     groups: list[list[int]] = []
@@ -29,7 +29,7 @@ class EngineBackend:
     def generate(self, prompts, sampling, seeds):
         keys = [(prompt, seed - i) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]  # same prompt, seed run
         pending = {}
-        for group in group_consecutive(keys, self.engine.max_slots):
+        for group in _runs(keys, self.engine.max_slots):
             params = SamplingParams(n=len(group), temperature=sampling.temperature, top_p=sampling.top_p,
                                     top_k=sampling.top_k, max_tokens=sampling.max_new_tokens, seed=seeds[group[0]],
                                     logprobs=False)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from eval.generation import end_of_sequence_ids
+from common.generation import end_of_sequence_ids
 
 from . import cache as cache_module
 from .cache import SlotCache, plan_slots

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from eval.generation import request_seed
+from common.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
 from ..balance import BalanceLossMixin
@@ -44,7 +44,6 @@ from ..batching import grpo_batching
 from ..packing import packed_logps
 from ..recipe import Recipe
 from ..rollout import SamplingParams
-from ..rollout.backend import group_consecutive
 from .rollout_batch import concat_batches, engine_correction, informative_groups, select_groups
 
 logger = logging.getLogger(__name__)
@@ -63,6 +62,20 @@ def rollout_seed(seed: int, key: int, group: int) -> int:
     worker (so no two workers share sampling noise, and a group's seeds do not depend on how many workers split the
     batch); its ``n`` samples take the seeds after it (:func:`eval.generation.request_seed`)."""
     return request_seed(seed, key, 1000 * group)
+
+
+def prompt_groups(texts: list[str], size: int) -> list[list[int]]:
+    """The indices of each group of ``size`` consecutive rows of a generation batch: TRL's sampler repeats each
+    prompt ``num_generations`` times in a row, and a group is one prompt's samples by position (two groups of one
+    prompt stay two groups). A batch laid out otherwise is refused rather than grouped wrongly."""
+    if len(texts) % size:
+        raise RuntimeError(f"grpo: a generation batch of {len(texts)} rows is not whole groups of {size}")
+    groups = [list(range(i, i + size)) for i in range(0, len(texts), size)]
+    mixed = next((g[0] for g in groups if any(texts[j] != texts[g[0]] for j in g)), None)
+    if mixed is not None:
+        raise RuntimeError(f"grpo: rows {mixed}..{mixed + size - 1} of a generation batch are not one prompt's "
+                           f"{size} samples (TRL's sampler lays out each prompt num_generations times in a row)")
+    return groups
 
 
 def timed(reward, timer: Timer, name: str):
@@ -195,13 +208,14 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         self._synced_step = self.state.global_step
 
     def rollout(self, prompts: list) -> dict:
-        """One completion per entry of ``prompts`` (groups of identical consecutive prompts): each group is one
-        engine request with ``n`` samples, so its prompt is prefilled once and forked."""
+        """One completion per entry of ``prompts``, which TRL's sampler lays out as groups of ``num_generations``
+        copies of a prompt: each group is one engine request with ``n`` samples, so its prompt is prefilled once and
+        forked."""
         start = time.perf_counter()
         args, tokenizer = self.args, self.processing_class
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                  if isinstance(p, list) else p for p in prompts]
-        groups = group_consecutive(texts, self.num_generations)
+        groups = prompt_groups(texts, self.num_generations)
         key = sampling_key(self.state.global_step, self.sampling_round)
         first = self.accelerator.process_index * len(groups)  # this worker's groups in the whole generation batch
         params = [SamplingParams(n=len(g), temperature=args.temperature, top_p=args.top_p,

@@ -37,7 +37,7 @@ def import_vllm():
         raise ImportError(
             "engine.backend: vllm needs vLLM 0.25.1, which is not importable here "
             f"({error}); pip install 'sse-pipeline[vllm]', or bring it to a machine without a package index "
-            "with python -m scripts.vllm_site; engine.backend: sse is this package's engine"
+            "with python -m scripts.vllm_site from a checkout; engine.backend: sse is this package's engine"
         ) from error
     return vllm
 
