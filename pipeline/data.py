@@ -1,30 +1,30 @@
 """Datasets of the stages: chat-formatted reasoning traces (distill) and prompts with answers (GRPO).
 
 Sources (a :class:`~pipeline.recipe.DataSpec`): ``builtin:arithmetic`` or ``builtin:word_problems``
-(synthetic problems with worked solutions, :mod:`pipeline.synthetic`), a set packaged with ``eval/data`` (``math_train``,
-``aime_1983_2023``, ``gsm8k_test``, ...), a local JSONL/JSON/parquet file, or a Hugging Face hub name
+(synthetic problems with worked solutions, :mod:`pipeline.synthetic`), a packaged set (``pipeline/train_data``: ``math_train``,
+``gsm8k_train``; ``eval/data``: ``aime_1983_2023``, ``gsm8k_test``, ...), a local JSONL/JSON/parquet file, or a Hugging Face hub name
 (e.g. ``open-r1/OpenR1-Math-220k``) where the hub is reachable.
 """
 
 from __future__ import annotations
 
 import logging
-
 import random
 from pathlib import Path
 
 from datasets import Dataset
 
-from eval.benchmarks import DATA_DIR
-
 from common.files import read_records
 from common.generation import INSTRUCTION, user_message
+from eval.benchmarks import DATA_DIR
 
 from .recipe import DataSpec
 from .synthetic import BUILTINS
 
 logger = logging.getLogger(__name__)
-PACKAGED = {p.stem: p for p in DATA_DIR.glob("*.jsonl")}
+TRAIN_DATA = Path(__file__).resolve().parent / "train_data"
+# the packaged sets by name: the training sets and the benchmarks (a benchmark may serve as training data too)
+PACKAGED = {p.stem: p for folder in (DATA_DIR, TRAIN_DATA) for p in folder.glob("*.jsonl")}
 
 
 def builtin_records(source: str, spec: DataSpec) -> list[dict]:

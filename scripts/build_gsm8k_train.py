@@ -2,7 +2,7 @@
 for distillation: the calculator annotations ``<<a=b>>`` removed and the closing ``#### N`` turned into
 ``The answer is \\boxed{N}.`` (the answer format the rewards and evaluation score).
 
-    python eval/data/build_gsm8k_train.py SOURCE.jsonl eval/data/gsm8k_train.jsonl
+    python scripts/build_gsm8k_train.py SOURCE.jsonl pipeline/train_data/gsm8k_train.jsonl
 """
 
 from __future__ import annotations
