@@ -11,8 +11,8 @@ Layout, as :class:`pipeline.rollout.cache.SlotCache` keeps it: ``pool_k``/``pool
 D]``; ``tables`` ``[B, max_blocks]``, each sequence's blocks in order; ``lengths`` ``[B]``, its tokens, the new
 one included. Lengths are read on the device: no host synchronisation, the launch can be captured in a CUDA graph.
 Tiles of bf16 keys and values are multiplied in bf16 with float32 accumulation, the probabilities rounded to bf16
-for the value product (as flash attention does): float32 operands doubled the registers a program holds and left
-the kernel at 1.4x its memory roofline at 8 x 32k; float32 caches (and Triton's interpreter, whose bf16 products
+for the value product (as flash attention does): float32 operands doubled the registers a program holds and kept
+the kernel further from its memory roofline; float32 caches (and Triton's interpreter, whose bf16 products
 are wrong) multiply in float32. Each program runs 8 warps (``python -m benchmarks.kernels.bench_paged``).
 
 The engine's decode attention (:meth:`pipeline.rollout.cache.SlotCache.decode_attention`); ``python -m

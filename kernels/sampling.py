@@ -11,7 +11,7 @@ the token the PyTorch sampler picks (the race is the same float32 expression) an
 ``temperature <= 0`` is greedy (argmax of the logits, log-probability at ``T = 1``), as in the PyTorch sampler.
 
 With top-p (:func:`top_p_sample`), the PyTorch sampler sorts every row of the vocabulary, which at 256 rows costs as
-much as a decode step of a 135M model (3.55 ms against 3.17, H100). The kernel finds the cut instead: the kept
+much as a decode step of a small model (``docs/benchmarks.md``). The kernel finds the cut instead: the kept
 tokens are those whose scaled logit is at least a threshold ``t``, the lowest value whose strictly larger tokens
 hold less than ``top_p`` of the mass (all tokens tied at the cut are kept, as the PyTorch sampler keeps them). The
 threshold is found by bisection over the order-preserving integer keys of float32 (exact after at most 32 passes

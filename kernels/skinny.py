@@ -1,8 +1,8 @@
 """Matrix products of few rows (a decode step's ``x @ W^T`` for up to 64 sequences), reading the weight once.
 
 At 8 rows cuBLAS picks 64-column tiles: a 2304 x 2304 map (the SSE-H output projection) becomes 36 programs on 132
-SMs and reads its 10.6 MB at 1.3 TB/s, the 2304 x 6144 MLP down-projection at 1.7 (H100, ``python -m
-benchmarks.kernels.bench_skinny``: 1.39 and 2.09 here, a whole decode step's products 1.07x faster). Here a program owns
+SMs, most of the GPU idle while the weight is read (``python -m benchmarks.kernels.bench_skinny``; the table in
+``docs/benchmarks.md``). Here a program owns
 ``BN`` output columns (``BN`` rows of the ``[N, K]`` weight, each a contiguous run of ``K`` values) and streams
 them through ``BK``-wide tiles against the rows of ``x``, padded to 16 for the tensor cores; narrow blocks give
 even a 2304-column map 72 programs. The epilogue adds the bias and, optionally, a residual

@@ -587,9 +587,8 @@ class _Call:
 # training row: 72 programs of 512 chunks at sse-h-2b's 18 heads, fewer in a group of heads) that leaves most of
 # the GPU idle: the walks then go in pieces of PIECE_CHUNKS chunks, all walked at once from zero, and ``_carry``
 # completes each piece's states with what enters it. A call splits where its shared walk would have fewer than
-# SPLIT_BELOW_PROGRAMS_PER_SM programs a multiprocessor (PIECE_CHUNKS = 0: never). At the 2B step on 32k rows
-# (one H200, docs/paper_scale.md) it took three head groups from 1.33x to 1.37x the Transformer's tokens/s and
-# left one group as it was.
+# SPLIT_BELOW_PROGRAMS_PER_SM programs a multiprocessor (PIECE_CHUNKS = 0: never); what it gains at the 2B step on
+# 32k rows: docs/paper_scale.md.
 PIECE_CHUNKS = 64
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 

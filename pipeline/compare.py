@@ -105,7 +105,7 @@ def read_run(label: str, folder: Path) -> Run:
     recipe = folder / "recipe.yaml"
     resolved = yaml.safe_load(recipe.read_text()) if recipe.exists() else None
     borrowed = {}  # training stage -> the model another run made that it started from (--checkpoint)
-    for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.run._record_start)
+    for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.stages.base.record_start)
         name = pattern.split("/")[1]
         record = folder / name / "started_from.json"
         if pattern.endswith("/final") and record.exists():

@@ -225,25 +225,32 @@ def uses_fsdp(recipe, model, device: torch.device, workers: int) -> bool:
     return state > FSDP_STATE_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
-def trainer_options(recipe, stage_config, out_dir, device: torch.device, batch, fsdp: bool = False) -> dict:
-    """The training arguments alignment, distillation and GRPO share (TRL's ``SFTConfig`` / ``GRPOConfig`` keys):
+# recipe keys that TRL's configs name otherwise (a readable recipe; TRL's names inside)
+TRL_NAMES = {"steps": "max_steps", "epochs": "num_train_epochs", "lr_scheduler": "lr_scheduler_type",
+             "warmup_ratio": "warmup_steps"}  # a float warmup_steps below 1 is a fraction of the steps
+
+
+def trainer_options(recipe, stage_config, config_cls, out_dir, device: torch.device, batch, fsdp: bool = False) -> dict:
+    """The keyword arguments of a stage's TRL config (``config_cls``: ``SFTConfig``, ``GRPOConfig``...): every setting
+    of the recipe's section that the config takes, by TRL's name (:data:`TRL_NAMES`), plus what the stages share:
     where checkpoints and TensorBoard logs go, the micro-batch and accumulation of this process (``batch``,
-    :class:`pipeline.placement.Batching`), precision, seeds and determinism, data parallelism (DDP, or FSDP2 with
-    ``fsdp``), checkpointing and logging cadence."""
+    :class:`pipeline.batching.Batching`), precision, seeds and determinism, data parallelism (DDP, or FSDP2 with
+    ``fsdp``)."""
+    import dataclasses
+
     # transformers' TensorBoard callback reads its folder from the environment (``logging_dir`` is deprecated)
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")
+    takes = {f.name for f in dataclasses.fields(config_cls)}
+    options = {TRL_NAMES.get(f.name, f.name): getattr(stage_config, f.name) for f in dataclasses.fields(stage_config)
+               if TRL_NAMES.get(f.name, f.name) in takes}
     # alignment has none: its student runs only the SSE layers, on the teacher's inputs
     checkpointing = getattr(stage_config, "gradient_checkpointing", False)
-    options = dict(
+    options.update(
         output_dir=str(out_dir / "checkpoints"),
-        learning_rate=stage_config.learning_rate,
         per_device_train_batch_size=batch.micro,
         gradient_accumulation_steps=batch.accumulation,
         gradient_checkpointing=checkpointing and not fsdp,
         gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=stage_config.logging_steps,
-        save_steps=stage_config.save_steps,
-        save_total_limit=stage_config.save_total_limit,
         bf16=autocast_bf16(recipe, device),
         use_cpu=device.type == "cpu",
         report_to=["tensorboard"],

@@ -6,9 +6,10 @@ printed when a run starts and checked before any stage does; the stages read the
   ``micro_batch_size`` rows a forward and accumulating until the workers together have ``batch_size`` rows;
 - alignment: one process (attention transfer runs the model's layers outside its forward, which DDP does not see);
 - GRPO, ``colocated`` (``auto``'s choice): a trainer worker on every GPU, its engine beside it (sleeping while the
-  trainer trains; one engine, which batches every request: more on one GPU would only divide its memory); ``split``: a quarter of the GPUs train (at least one), the others each hold an engine (NCCL
-  weight broadcast possible, nothing sleeps); rollouts take most of a step at long generations (the paper-2b dry run:
-  422 s of rollout against 45 s of training a batch), so most GPUs generate;
+  trainer trains; one engine, which batches every request: more on one GPU would only divide its memory);
+  ``split``: a quarter of the GPUs train (at least one), the others each hold an engine (NCCL weight broadcast
+  possible, nothing sleeps); rollouts take most of a step at long generations (the paper-2b dry run: 422 s of
+  rollout against 45 s of training a batch), so most GPUs generate;
 - evaluation: one generation worker per GPU, each a shard of every benchmark.
 
 GRPO's trainers and engines are reserved together in one Ray placement group (all or nothing), so that an
@@ -48,7 +49,8 @@ class GRPOPlacement:
             return dict(self.trainer)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {**self.trainer, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, self.trainer_bundles[rank])}
+        strategy = PlacementGroupSchedulingStrategy(group, self.trainer_bundles[rank])
+        return {**self.trainer, "scheduling_strategy": strategy}
 
 
 def plan_grpo(mode: str, gpus: int, cpus: int, num_engines: int | None = None,

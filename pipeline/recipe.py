@@ -21,11 +21,13 @@ import yaml
 from common.generation import INSTRUCTION
 
 from .errors import RecipeError
+from .rollout.options import ENGINE_BACKENDS, EngineOptions
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_SAMPLING_ROUNDS = 16  # each round of a GRPO step samples with its own seeds (pipeline.stages.grpo.sampling_key)
 
 
 def bounded(default=None, *, ge=None, gt=None, le=None, choices=None):
@@ -46,6 +48,22 @@ def _check_rules(value, rules: dict, key: str, where: str) -> None:
                            ("le", lambda v, b: v <= b, "<=")):
         if name in rules and not ok(value, rules[name]):
             raise RecipeError(f"{where}: {key}: must be {text} {rules[name]}, got {value!r}")
+
+
+def fail(key: str, message: str):
+    """A recipe error at ``key`` (the file is named by :meth:`Recipe.validate`)."""
+    raise RecipeError(f"{key}: {message}")
+
+
+def did_you_mean(name: str, known) -> str:
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def check_scheduler(section: str, scheduler: str) -> None:
+    if scheduler not in _schedulers():
+        fail(f"{section}.lr_scheduler", f"unknown scheduler {scheduler!r} (known: {list(_schedulers())})"
+             + did_you_mean(scheduler, _schedulers()))
 
 
 def _schedulers() -> tuple[str, ...]:
@@ -70,6 +88,16 @@ class ModelSpec:
     tokenizer: str | None = None  # a path or hub name; "char" builds the offline character tokenizer
     # the weights as stored and served (the engines' default); training always upcasts to float32 master weights
     dtype: str = bounded("float32", choices=DTYPES)
+
+    def check(self, recipe: "Recipe") -> None:
+        if sum(x is not None for x in (self.path, self.preset, self.convert_from)) != 1:
+            fail("model", "give exactly one of path, preset, convert_from")
+        if self.preset is not None:
+            from sse_model.configuration_sse import PRESETS
+
+            if self.preset not in PRESETS:
+                fail("model.preset", f"unknown preset {self.preset!r} (known: {sorted(PRESETS)})"
+                     + did_you_mean(self.preset, PRESETS))
 
     def converts_layers(self) -> bool:
         """Whether the model is converted with some layers turned into linear mixers (what the align stage aligns);
@@ -121,6 +149,17 @@ class DistillConfig:
     save_steps: int = bounded(500, ge=1)
     save_total_limit: int | None = bounded(3, ge=1)
 
+    def check(self, recipe: "Recipe") -> None:
+        from .batching import distill_batching
+
+        if self.max_steps == 0:
+            fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
+        if self.teacher_kl and recipe.model.convert_from is None:
+            fail("distill.teacher_kl", "the teacher is the Transformer the recipe converts: set model.convert_from, "
+                 "or teacher_kl: 0")
+        check_scheduler("distill", self.lr_scheduler)
+        distill_batching(recipe, self.num_workers or 1)  # the GPUs a run has are checked at its start
+
 
 @dataclass
 class AlignConfig:
@@ -142,26 +181,27 @@ class AlignConfig:
     save_steps: int = bounded(100, ge=1)
     save_total_limit: int | None = bounded(2, ge=1)
 
+    def check(self, recipe: "Recipe") -> None:
+        from .batching import align_batching
 
-ENGINE_BACKENDS = ("sse", "vllm")  # this package's rollout engine, or vLLM serving the model through our plugin
+        check_scheduler("align", self.lr_scheduler)
+        align_batching(recipe)
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(EngineOptions):
+    """An engine of a stage: :class:`~pipeline.rollout.options.EngineOptions` (capacity and scheduling) and which
+    engine, in which dtype, and whether it sleeps."""
+
     backend: str = bounded("sse", choices=ENGINE_BACKENDS)
-    max_slots: int | None = bounded(None, ge=1)
-    memory_budget_gb: float | None = bounded(None, gt=0)
-    prefill_chunk_size: int = bounded(2048, ge=1)
-    block_size: int = bounded(256, ge=1)  # tokens per KV block of the full-attention layers
-    use_cuda_graphs: bool | None = None
-    overlap: bool | None = None  # queue each decode step before the host reads the last one's tokens; default: CUDA
     dtype: str | None = bounded(None, choices=DTYPES)  # the engine's weights; default: the model's
     residual_dtype: str | None = bounded(None, choices=DTYPES)  # float32: skip connections as in training (ours only)
     sleep: bool | None = None  # free the engine's memory between rollouts; default: when it shares the trainer's GPU
-    # while sequences run, admit waiting requests once this fraction of the slots is free, to prefill them together:
-    # a small model's prefill forward costs its launches (docs/real_model.md); 0 admits at once (long generations
-    # of a large model leave up to about half this fraction of the slots idle while requests wait)
-    refill_fraction: float = bounded(0.25, ge=0, le=1)
+
+    def check(self, stage: str) -> None:
+        if self.residual_dtype is not None and self.backend != "sse":
+            fail(f"{stage}.engine.residual_dtype", f"is an option of this package's engine (backend: sse); "
+                 f"{self.backend} runs the model its own way")
 
 
 @dataclass
@@ -204,7 +244,7 @@ class GRPOStageConfig:
     balance_loss_coef: float | None = bounded(None, ge=0)
     # DAPO dynamic sampling: resample until the batch holds prompts_per_batch groups whose accuracy varies
     dynamic_sampling: bool = True
-    max_sampling_rounds: int = bounded(3, ge=1, le=16)  # generation rounds per batch at most (le: MAX_SAMPLING_ROUNDS)
+    max_sampling_rounds: int = bounded(3, ge=1, le=MAX_SAMPLING_ROUNDS)  # generation rounds per batch at most
     scale_rewards: str = bounded("group", choices=("group", "batch", "none"))  # advantage = (r - mean) / std of ...
     # engine -> trainer correction per token: truncated (TIS, ratio capped) or masked (MIS, outside [1/cap, cap])
     importance_sampling: str = bounded("token_truncate", choices=("none", "token_truncate", "token_mask"))
@@ -234,6 +274,34 @@ class GRPOStageConfig:
     save_steps: int = bounded(10, ge=1)
     save_total_limit: int | None = bounded(3, ge=1)
 
+    def check(self, recipe: "Recipe") -> None:
+        from .batching import grpo_batching
+
+        if self.prompts_per_batch % self.mini_batches:
+            fail("grpo.mini_batches", f"must divide grpo.prompts_per_batch ({self.prompts_per_batch}), got "
+                 f"{self.mini_batches}")
+        grpo_batching(recipe, self.num_workers or 1)  # the GPUs a run has are checked at its start
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({self.epsilon}), got {self.epsilon_high}")
+        r = self.rewards
+        if self.enabled and not (r.accuracy or r.format or r.overlong):
+            fail("grpo.rewards", "every reward weight (accuracy, format, overlong) is 0: GRPO would learn nothing")
+        if self.enabled and r.overlong and not 0 < r.overlong_cache <= self.max_completion_length:
+            fail("grpo.rewards.overlong_cache", f"the penalty ramps over the last overlong_cache tokens of "
+                 f"grpo.max_completion_length ({self.max_completion_length}): need 0 < overlong_cache <= it, got "
+                 f"{r.overlong_cache}")
+        if self.dynamic_sampling and self.loss_type != "dapo":
+            # a batch still short after max_sampling_rounds is filled with groups masked out of the loss; dapo divides
+            # by the batch's real tokens, the others by rows or per micro-batch, where the filler shrinks the step
+            fail("grpo.dynamic_sampling", f"needs grpo.loss_type: dapo (the loss DAPO defines it with), got "
+                 f"{self.loss_type!r}: a short batch is filled with groups masked out of the loss, which "
+                 f"{self.loss_type} counts in its normalisation (the step shrinks by the informative fraction); or "
+                 "set grpo.dynamic_sampling: false")
+        if self.weight_sync in ("cuda_ipc", "broadcast") and self.engine.backend != "sse":
+            fail("grpo.weight_sync", f"{self.weight_sync} hands the weights to this package's engine "
+                 "(grpo.engine.backend: sse); vLLM's engine runs its model in processes of its own: use object_store")
+        self.engine.check("grpo")
+
 
 @dataclass
 class EvalStageConfig:
@@ -253,6 +321,33 @@ class EvalStageConfig:
     backend: str = bounded("engine", choices=("engine", "hf"))  # the rollout engine or model.generate
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+
+    def check(self, recipe: "Recipe") -> None:
+        from eval.benchmarks import BENCHMARKS
+
+        self.engine.check("eval")
+        if not self.enabled:
+            return
+        known = ("last", "initial", "align", "distill", "grpo")
+        for name in self.models:
+            if name not in known:
+                fail("eval.models", f"{name!r} is not one of {list(known)}" + did_you_mean(str(name), known))
+            if name in ("align", "distill", "grpo") and not getattr(recipe, name).enabled:
+                fail("eval.models", f"{name!r}: the {name} stage is disabled, so it leaves no model to score")
+            if name == "align" and not recipe.model.converts_layers():
+                fail("eval.models", "'align': the recipe converts no layer into SSE, so there is no align stage")
+            if name == "initial" and recipe.model.path is not None:
+                fail("eval.models", "'initial': the recipe starts from model.path; score it as 'last' of a run whose "
+                     "stages are off, or evaluate that path with --checkpoint")
+        if len(set(self.models)) != len(self.models):
+            fail("eval.models", f"names a model twice: {self.models}")
+        if not self.benchmarks:
+            fail("eval.benchmarks", "no benchmark to evaluate (disable the stage with eval.enabled=false)")
+        for name in self.benchmarks:
+            # a registered benchmark, a local file, or a hub dataset (owner/name)
+            if not isinstance(name, str) or not (name in BENCHMARKS or Path(name).exists() or "/" in name):
+                fail("eval.benchmarks", f"{name!r} is not a registered benchmark ({sorted(BENCHMARKS)}), a local file "
+                     "or a hub dataset name" + did_you_mean(str(name), BENCHMARKS))
 
 @dataclass
 class RayConfig:
@@ -277,8 +372,7 @@ STAGE_SETTINGS = {
 # another number of workers or a GPU of another size (the same steps; GRPO's samples are seeded per worker, each
 # request's draws by its own seed, pipeline/rollout/sampling.py, whatever else runs beside it), and a model added to
 # eval.models is evaluated beside the ones scored already (each model's generations in a folder of its own)
-ENGINE_CAPACITY = ("max_slots", "memory_budget_gb", "prefill_chunk_size", "block_size", "use_cuda_graphs", "overlap",
-                   "sleep", "refill_fraction")
+ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions)), "sleep")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
                "grpo.num_workers", "grpo.num_engines", "grpo.micro_batch_size", "distill.num_workers",
                "distill.micro_batch_size", "align.micro_batch_size", "eval.models", "eval.num_workers",
@@ -347,93 +441,16 @@ class Recipe:
         return storage_uri(self.storage, self.name, f"{stage}@{key}", *parts)
 
     def validate(self, where: str = "recipe") -> None:
-        def fail(key, message):
-            raise RecipeError(f"{where}: {key}: {message}")
-
-        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_id):
-            fail("run_id", f"letters, digits, '.', '_' and '-' only (it names a folder in storage), got {self.run_id!r}")
-        m = self.model
-        if sum(x is not None for x in (m.path, m.preset, m.convert_from)) != 1:
-            fail("model", "give exactly one of path, preset, convert_from")
-        if m.preset is not None:
-            from sse_model.configuration_sse import PRESETS
-
-            if m.preset not in PRESETS:
-                close = difflib.get_close_matches(m.preset, list(PRESETS), n=1)
-                fail("model.preset", f"unknown preset {m.preset!r} (known: {sorted(PRESETS)})"
-                     + (f"; did you mean {close[0]}?" if close else ""))
-        if self.distill.max_steps == 0:
-            fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
-        if self.distill.teacher_kl and m.convert_from is None:
-            fail("distill.teacher_kl", "the teacher is the Transformer the recipe converts: set model.convert_from, "
-                 "or teacher_kl: 0")
-        for section in ("align", "distill"):
-            scheduler = getattr(self, section).lr_scheduler
-            if scheduler not in _schedulers():
-                close = difflib.get_close_matches(scheduler, _schedulers(), n=1)
-                fail(f"{section}.lr_scheduler", f"unknown scheduler {scheduler!r} (known: {list(_schedulers())})"
-                     + (f"; did you mean {close[0]}?" if close else ""))
-        g = self.grpo
-        if g.prompts_per_batch % g.mini_batches:
-            fail("grpo.mini_batches", f"must divide grpo.prompts_per_batch ({g.prompts_per_batch}), got {g.mini_batches}")
-        from .batching import align_batching, distill_batching, grpo_batching
-
-        try:  # with the workers the recipe names (1 if it names none); the GPUs a run has are checked at its start
-            distill_batching(self, self.distill.num_workers or 1)
-            align_batching(self)
-            grpo_batching(self, self.grpo.num_workers or 1)
+        """Each section checks itself (:meth:`check`, given the whole recipe where a check reads another section);
+        an error names ``where`` (the file and overrides), the key and what would work."""
+        try:
+            if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_id):
+                fail("run_id", f"letters, digits, '.', '_' and '-' only (it names a folder in storage), got "
+                     f"{self.run_id!r}")
+            for section in (self.model, self.align, self.distill, self.grpo, self.eval):
+                section.check(self)
         except RecipeError as error:
             raise RecipeError(f"{where}: {error}") from None
-        if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
-            fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({g.epsilon}), got {g.epsilon_high}")
-        r = g.rewards
-        if g.enabled and not (r.accuracy or r.format or r.overlong):
-            fail("grpo.rewards", "every reward weight (accuracy, format, overlong) is 0: GRPO would learn nothing")
-        if g.enabled and r.overlong and not 0 < r.overlong_cache <= g.max_completion_length:
-            fail("grpo.rewards.overlong_cache", f"the penalty ramps over the last overlong_cache tokens of "
-                 f"grpo.max_completion_length ({g.max_completion_length}): need 0 < overlong_cache <= it, got "
-                 f"{r.overlong_cache}")
-        if g.dynamic_sampling and g.loss_type != "dapo":
-            # a batch still short after max_sampling_rounds is filled with groups masked out of the loss; dapo divides
-            # by the batch's real tokens, the others by rows or per micro-batch, where the filler shrinks the step
-            fail("grpo.dynamic_sampling", f"needs grpo.loss_type: dapo (the loss DAPO defines it with), got "
-                 f"{g.loss_type!r}: a short batch is filled with groups masked out of the loss, which {g.loss_type} "
-                 "counts in its normalisation (the step shrinks by the informative fraction); or set "
-                 "grpo.dynamic_sampling: false")
-        if g.weight_sync in ("cuda_ipc", "broadcast") and g.engine.backend != "sse":
-            fail("grpo.weight_sync", f"{g.weight_sync} hands the weights to this package's engine (grpo.engine.backend:"
-                 " sse); vLLM's engine runs its model in processes of its own: use object_store")
-        for stage, engine in (("grpo", g.engine), ("eval", self.eval.engine)):
-            if engine.residual_dtype is not None and engine.backend != "sse":
-                fail(f"{stage}.engine.residual_dtype", f"is an option of this package's engine (backend: sse); "
-                     f"{engine.backend} runs the model its own way")
-        if self.eval.enabled:
-            from eval.benchmarks import BENCHMARKS
-
-            known = ("last", "initial", "align", "distill", "grpo")
-            for name in self.eval.models:
-                if name not in known:
-                    close = difflib.get_close_matches(str(name), known, n=1)
-                    fail("eval.models", f"{name!r} is not one of {list(known)}"
-                         + (f"; did you mean {close[0]}?" if close else ""))
-                if name in ("align", "distill", "grpo") and not getattr(self, name).enabled:
-                    fail("eval.models", f"{name!r}: the {name} stage is disabled, so it leaves no model to score")
-                if name == "align" and not m.converts_layers():
-                    fail("eval.models", "'align': the recipe converts no layer into SSE, so there is no align stage")
-                if name == "initial" and m.path is not None:
-                    fail("eval.models", "'initial': the recipe starts from model.path; score it as 'last' of a run "
-                         "whose stages are off, or evaluate that path with --checkpoint")
-            if len(set(self.eval.models)) != len(self.eval.models):
-                fail("eval.models", f"names a model twice: {self.eval.models}")
-
-            if not self.eval.benchmarks:
-                fail("eval.benchmarks", "no benchmark to evaluate (disable the stage with eval.enabled=false)")
-            for name in self.eval.benchmarks:
-                # a registered benchmark, a local file, or a hub dataset (owner/name)
-                if not isinstance(name, str) or not (name in BENCHMARKS or Path(name).exists() or "/" in name):
-                    close = difflib.get_close_matches(str(name), list(BENCHMARKS), n=1)
-                    fail("eval.benchmarks", f"{name!r} is not a registered benchmark ({sorted(BENCHMARKS)}), a local "
-                         "file or a hub dataset name" + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def _type_name(tp) -> str:

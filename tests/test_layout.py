@@ -126,3 +126,18 @@ def test_the_package_ships_no_benchmark_or_script():
     for module, targets in module_imports().items():
         assert not [t for t in targets if t.startswith(("benchmarks", "scripts"))], module
     assert (ROOT / "benchmarks" / "rollout" / "benchmark.py").exists() and (ROOT / "scripts" / "sweep.py").exists()
+
+
+def test_the_run_loop_is_short_and_no_engine_class_is_long():
+    """Each stage lives in its own module behind one interface, so the run loop is a loop; the rollout engine is split
+    as vLLM splits it (scheduler, model runner, cache, engine), no class of it over 300 lines."""
+    assert len((ROOT / "pipeline" / "run.py").read_text().splitlines()) <= 200
+    for path in (ROOT / "pipeline" / "rollout").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno + 1 <= 300, (path.name, node.name)
+    from pipeline.stages import STAGES
+    from pipeline.stages.base import Stage
+
+    assert list(STAGES) == ["align", "distill", "grpo", "eval"]
+    assert all(type(s).run is not Stage.run and type(s).highlight is not Stage.highlight for s in STAGES.values())

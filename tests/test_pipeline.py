@@ -70,7 +70,7 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     assert last > first + 0.15, f"reward did not rise: {[round(r, 2) for r in rewards]}"
     print("GRPO format reward per step:", [round(r, 2) for r in rewards])
     assert (tmp_path / "grpo" / "reward_curve.png").exists()
-    from pipeline.stages.evaluate import model_id
+    from pipeline.stages.base import model_id
 
     started = json.loads((tmp_path / "grpo" / "started_from.json").read_text())["model"]
     assert started == model_id(str(checkpoint)), "named as its evaluation names it, for sse-pipeline compare"
@@ -599,7 +599,7 @@ def test_the_initial_model_is_built_again_when_its_settings_change(tmp_path):
     old 128-wide model while grpo/recipe.yaml said 256)."""
     from sse_model.checkpoint import load_pretrained
 
-    from pipeline.run import initial_checkpoint
+    from pipeline.stages.base import initial_checkpoint
 
     first = initial_checkpoint(load_recipe("demo"), tmp_path)
     assert initial_checkpoint(load_recipe("demo"), tmp_path) == first  # built once
@@ -633,7 +633,8 @@ def test_generations_are_reused_only_for_the_very_model_that_made_them(tmp_path)
     import json
     import os
 
-    from pipeline.stages.evaluate import generated_already, model_id
+    from pipeline.stages.base import model_id
+    from pipeline.stages.evaluate import generated_already
 
     model, out = tmp_path / "distill" / "final", tmp_path / "eval" / "distill"
     model.mkdir(parents=True), out.mkdir(parents=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 from pipeline.lm_loss import completion_loss, markdown
 from pipeline.metrics import read_metrics
 from pipeline.recipe import DataSpec, load_recipe
-from pipeline.run import initial_checkpoint, run_recipe, stage_runs
+from pipeline.run import run_recipe, stage_runs
+from pipeline.stages.base import initial_checkpoint
 
 logger = logging.getLogger(__name__)
 OFF = ["grpo.enabled=false", "eval.enabled=false"]

@@ -155,11 +155,11 @@ def profile_stage(recipe_name: str, stage: str, overrides: list[str], warmup: in
 
         if not stage_runs(recipe, "align"):
             raise ValueError(f"{recipe_name} has no align stage (disabled, or it converts no layer into SSE)")
-        run_align(recipe, out / "align", callbacks=[profiler])
+        run_align(recipe, out / "align", extra_callbacks=[profiler])
     else:
         from pipeline.stages.distill import run_distill
 
-        run_distill(recipe, out / "distill", callbacks=[profiler])
+        run_distill(recipe, out / "distill", extra_callbacks=[profiler])
     if len(profiler.times) < total:
         raise RuntimeError(f"{stage} ran {len(profiler.times)} steps, fewer than the {total} asked (too little data?)")
     if trace is not None:

@@ -1,7 +1,7 @@
 """The SSE-aware rollout engine: continuous batching over state slots, prefix forking, seeded sampling."""
 
-from ..recipe import ENGINE_BACKENDS
 from .engine import CompletionOutput, Engine, RequestOutput
+from .options import ENGINE_BACKENDS
 from .sampling import SamplingParams, sample
 
 

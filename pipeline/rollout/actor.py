@@ -257,7 +257,8 @@ class EngineFleet:
             self._dtype = getattr(torch, ray.get(self.workers[0].get_stats.remote())["dtype"])
         layout = Layout.of(state_dict, self._dtype)
         received = [w.receive_weights.remote(layout, self._version) for w in self.workers]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.weight_sync == "nccl" else torch.device("cpu")
+        on_gpu = self.weight_sync == "nccl"  # NCCL sends from this process's GPU, gloo from the host
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         send(self._group, state_dict, layout, device)
         return ray.get(received)
 

@@ -33,6 +33,7 @@ from common.generation import end_of_sequence_ids
 from . import cache as cache_module
 from .cache import SlotCache, plan_slots
 from .model_runner import LaunchedStep, ModelRunner
+from .options import DEFAULTS
 from .request import CompletionOutput, Request, RequestOutput, Sequence
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -84,9 +85,9 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, max_model_len: int = 4096,
                  memory_budget: int | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, prefill_chunk_size: int = 512, block_size: int = 256,
-                 num_blocks: int | None = None, use_cuda_graphs: bool | None = None, overlap: bool | None = None,
-                 residual_dtype: torch.dtype | None = None, refill_fraction: float = 0.25, seed: int = 0):
+                 dtype: torch.dtype | None = None, prefill_chunk_size: int = DEFAULTS.prefill_chunk_size,
+                 block_size: int = DEFAULTS.block_size, num_blocks: int | None = None, use_cuda_graphs=None,
+                 overlap=None, residual_dtype=None, refill_fraction: float = DEFAULTS.refill_fraction, seed: int = 0):
         if isinstance(model, (str, Path)):
             from transformers import AutoTokenizer
 

@@ -14,11 +14,12 @@ from collections import deque
 import torch
 
 from .cache import SlotCache
+from .options import DEFAULTS
 from .request import Request, Sequence
 
 
 class Scheduler:
-    def __init__(self, refill_fraction: float = 0.25):
+    def __init__(self, refill_fraction: float = DEFAULTS.refill_fraction):
         if not 0 <= refill_fraction <= 1:
             raise ValueError(f"refill_fraction must be in [0, 1], got {refill_fraction}")
         self.refill_fraction = refill_fraction

@@ -19,12 +19,12 @@ from transformers import Trainer, TrainingArguments
 
 from sse_model.align import AttentionTransfer, freeze_all_but_aligned
 
-from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
 from ..data import chat_ids, sft_dataset
-from ..metrics import MetricsLogger, plot_curves, read_metrics
+from ..metrics import read_metrics
 from ..models import TRAINING_DTYPE, load_model, load_teacher, trainer_options, training_device
 from ..batching import align_batching
 from ..recipe import Recipe
+from .base import Stage, callbacks, done, finish, fit, hand_on, loss_highlight, record_start, stored, task_setup
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class AlignmentTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # the Trainer's mixed precision wraps only ``model.forward``, which alignment never calls: without this the
         # teacher and the SSE layers run in float32 (on a GPU: no bf16 tensor cores, and attention in SDPA's
-        # per-sequence float32 path instead of the flash varlen kernel; 1.8 s a step of SmolLM2's recipe on an H200)
+        # per-sequence float32 path instead of the flash varlen kernel)
         with self.accelerator.autocast():
             losses = self.transfer(**inputs)
         for i, loss in losses.items():
@@ -115,13 +115,11 @@ def plot_layers(metrics_path: Path, png_path: Path) -> Path | None:
     return Path(png_path)
 
 
-def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None, callbacks: Sequence = ()) -> Path:
+def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None, extra_callbacks: Sequence = ()) -> Path:
     """Aligns the converted model (``start_from``, else the recipe's model) and returns ``<out_dir>/final``;
-    ``callbacks``: more ``TrainerCallback``s (the step profiler's, :mod:`benchmarks.pipeline.stage_profile`)."""
+    ``extra_callbacks``: more ``TrainerCallback``s (the step profiler's, :mod:`benchmarks.pipeline.stage_profile`)."""
     out_dir = Path(out_dir)
-    final = out_dir / "final"
-    if is_done(final):
-        logger.info("align: already done (%s)", final)
+    if (final := done("align", out_dir)) is not None:
         return final
     cfg = recipe.align
     device = training_device(recipe)
@@ -133,28 +131,43 @@ def run_align(recipe: Recipe, out_dir: Path, start_from: Path | None = None, cal
     tokens = cfg.steps * cfg.batch_size * cfg.max_length
     logger.info("align: %s values train (%s); %d packed rows of %d tokens; %d steps, %.1fM tokens at most",
                 f"{trained:,}", cfg.train, len(rows), cfg.max_length, cfg.steps, tokens / 1e6)
-    args = TrainingArguments(
-        **trainer_options(recipe, cfg, out_dir, device, align_batching(recipe)),
-        max_steps=cfg.steps,
-        lr_scheduler_type=cfg.lr_scheduler,
-        warmup_steps=cfg.warmup_ratio,
-        weight_decay=cfg.weight_decay,
-        remove_unused_columns=False,
-    )
-    store = recipe.stored_at("align", "checkpoints")
-    resume = resume_point(store, out_dir)
+    args = TrainingArguments(**trainer_options(recipe, cfg, TrainingArguments, out_dir, device, align_batching(recipe)),
+                             remove_unused_columns=False)
     trainer = AlignmentTrainer(model=model.to(device), args=args, train_dataset=rows, data_collator=collate_packed,
                                teacher=teacher,
-                               callbacks=[MetricsLogger(out_dir / "metrics.jsonl"), CheckpointMarker(store),
-                                          *callbacks])
-    if resume is not None:
-        logger.info("align: resuming from %s", resume)
-    with writing(out_dir / "checkpoints"):
-        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "learning_rate", "grad_norm"], "align")
+                               callbacks=[*callbacks(recipe, "align", out_dir), *extra_callbacks])
+    result, weights = fit("align", recipe, out_dir, trainer)
     plot_layers(out_dir / "metrics.jsonl", out_dir / "layers.png")
     model.requires_grad_(True)
     # tokens: every row is full but the data's last one, so this is exact unless the steps reached that row
-    return save_final(model, tokenizer, final, {"stage": "align", "global_step": trainer.state.global_step,
-                                                "train_loss": result.training_loss, "trained": cfg.train,
-                                                "tokens": trainer.state.global_step * tokens // cfg.steps})
+    return finish("align", out_dir, trainer, tokenizer, weights, ["loss", "learning_rate", "grad_norm"],
+                  {"train_loss": result.training_loss, "trained": cfg.train,
+                   "tokens": trainer.state.global_step * tokens // cfg.steps})
+
+
+def _align_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
+    from ..storage import materialize
+
+    task_setup()
+    return hand_on(recipe, "align", run_align(recipe, Path(out_dir), materialize(start_from) if start_from else None))
+
+
+class AlignStage(Stage):
+    """Attention transfer, for a converted model: one process (see :mod:`pipeline.placement`)."""
+
+    name = "align"
+
+    def enabled(self, recipe: Recipe) -> bool:
+        """A model converted into some SSE layers (a model built otherwise, or converted with every layer kept as
+        attention, has nothing to align)."""
+        return recipe.align.enabled and recipe.model.converts_layers()
+
+    def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str:
+        import ray
+
+        start = stored(recipe, start, "align") if start else None
+        record_start(stage_dir, start)
+        return ray.get(ray.remote(**plan.whole)(_align_task).remote(recipe, str(stage_dir), start))
+
+    def highlight(self, recipe: Recipe, stage_dir: Path) -> str:
+        return loss_highlight(stage_dir)

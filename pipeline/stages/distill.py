@@ -16,31 +16,25 @@ import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
 from ..data import drop_overlong, sft_dataset
-from ..distributed import is_main_process, world
-from ..metrics import MetricsLogger, plot_curves
-from ..models import TRAINING_DTYPE, fsdp_precision, load_model, load_teacher, trainer_options, training_device, uses_fsdp
+from ..distributed import world
+from ..models import (TRAINING_DTYPE, fsdp_precision, load_model, load_teacher, trainer_options, training_device,
+                      uses_fsdp)
 from ..batching import distill_batching
 from ..recipe import Recipe
+from .base import Stage, callbacks, done, finish, fit, hand_on, loss_highlight, record_start, stored, task_setup
 
 logger = logging.getLogger(__name__)
 
 
 def sft_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SFTConfig:
     cfg = recipe.distill
-    args = SFTConfig(
-        **trainer_options(recipe, cfg, out_dir, device, distill_batching(recipe, world()[1]), fsdp),
-        num_train_epochs=cfg.epochs,
-        max_steps=cfg.max_steps,
-        lr_scheduler_type=cfg.lr_scheduler,
-        warmup_steps=cfg.warmup_ratio,  # a float in [0, 1) is a fraction of the steps
-        weight_decay=cfg.weight_decay,
-        max_length=cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (see drop_overlong)
-        packing=cfg.packing,
-        padding_free=True,
-        completion_only_loss=True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
-    )
+    args = SFTConfig(**{
+        **trainer_options(recipe, cfg, SFTConfig, out_dir, device, distill_batching(recipe, world()[1]), fsdp),
+        "max_length": cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (drop_overlong)
+        "padding_free": True,
+        "completion_only_loss": True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
+    })
     fsdp_precision(args)
     return args
 
@@ -102,22 +96,16 @@ class SSESFTTrainer(BalanceLossMixin, TeacherKLMixin, SFTTrainer):
     the teacher's logits as a second target (:class:`TeacherKLMixin`)."""
 
 
-def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, callbacks: Sequence = ()) -> Path:
-    """Trains and returns the directory of the final model (``<out_dir>/final``); ``callbacks``: more
+def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, extra_callbacks: Sequence = ()) -> Path:
+    """Trains and returns the directory of the final model (``<out_dir>/final``); ``extra_callbacks``: more
     ``TrainerCallback``s (the step profiler's, :mod:`benchmarks.pipeline.stage_profile`)."""
-
     out_dir = Path(out_dir)
-    final = out_dir / "final"
-    if is_done(final):
-        logger.info("distill: already done (%s)", final)
+    if (final := done("distill", out_dir)) is not None:
         return final
+    cfg = recipe.distill
     device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
-    dataset, dropped = drop_overlong(sft_dataset(recipe.distill.data, recipe.prompt_instruction), tokenizer,
-                                     recipe.distill.max_length)
-    store = recipe.stored_at("distill", "checkpoints")
-    resume = resume_point(store, out_dir)
-    cfg = recipe.distill
+    dataset, dropped = drop_overlong(sft_dataset(cfg.data, recipe.prompt_instruction), tokenizer, cfg.max_length)
     teacher = load_teacher(recipe.model, TRAINING_DTYPE).to(device) if cfg.teacher_kl else None
     fsdp = uses_fsdp(recipe, model, device, world()[1])
     trainer = SSESFTTrainer(
@@ -126,17 +114,38 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, c
         args=sft_config(recipe, out_dir, device, fsdp),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[CheckpointMarker(store), *([MetricsLogger(out_dir / "metrics.jsonl")] if is_main_process() else []),
-                   *callbacks],
+        callbacks=[*callbacks(recipe, "distill", out_dir), *extra_callbacks],
     )
-    if resume is not None:
-        logger.info("distill: resuming from %s", resume)
-    with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
-        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    weights = trainer.accelerator.get_state_dict(trainer.model)  # every worker: under FSDP a collective
-    if not is_main_process():  # rank 0 writes the stage's files
-        return final
-    plot_curves(out_dir / "metrics.jsonl", out_dir / "loss.png", ["loss", "ce", "teacher_kl", "balance_loss", "learning_rate", "grad_norm"], "distill")
-    return save_final(trainer.accelerator.unwrap_model(trainer.model), tokenizer, final,
-                      {"stage": "distill", "global_step": trainer.state.global_step, "train_loss": result.training_loss,
-                       "samples": len(dataset), "dropped_overlong": dropped}, weights)
+    result, weights = fit("distill", recipe, out_dir, trainer)
+    return finish("distill", out_dir, trainer, tokenizer, weights,
+                  ["loss", "ce", "teacher_kl", "balance_loss", "learning_rate", "grad_norm"],
+                  {"train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})
+
+
+def _distill_task(recipe: Recipe, out_dir: str, start_from: str | None) -> str:
+    from ..storage import materialize
+
+    task_setup()
+    return hand_on(recipe, "distill",
+                   run_distill(recipe, Path(out_dir), materialize(start_from) if start_from else None))
+
+
+class DistillStage(Stage):
+    """Supervised distillation, data-parallel over the plan's workers (one per GPU)."""
+
+    name = "distill"
+
+    def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str:
+        import ray
+
+        from ..distributed import run_data_parallel
+
+        start = stored(recipe, start, "distill") if start else None
+        record_start(stage_dir, start)
+        args = (recipe, str(stage_dir), start)
+        if plan.distill.workers > 1:
+            return run_data_parallel(_distill_task, args, [plan.train_worker] * plan.distill.workers, "distill")
+        return ray.get(ray.remote(**plan.whole)(_distill_task).remote(*args))
+
+    def highlight(self, recipe: Recipe, stage_dir: Path) -> str:
+        return loss_highlight(stage_dir)

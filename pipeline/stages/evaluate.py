@@ -11,11 +11,12 @@ from pathlib import Path
 import ray
 
 from eval.generation import HFGenerateBackend, SamplingConfig
-from eval.runner import generate, model_identity, score
+from eval.runner import generate, score
 
 from ..models import engine_options, load_model, resolve_device
-from ..recipe import Recipe
-from ..storage import get_files, identity, is_stored, materialize, put_files
+from ..recipe import Recipe, RecipeError
+from ..storage import get_files, materialize, put_files
+from .base import Stage, check_engine_installed, initial_checkpoint, model_id, stage_model, stored, task_setup
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,6 @@ def sampling_of(recipe: Recipe) -> SamplingConfig:
     cfg = recipe.eval
     return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                           seed=recipe.seed)
-
-
-def model_id(location: str) -> str:
-    """What a model location names, the same on every node: a stored model's URI and upload, else the checkpoint's
-    fingerprint. Evaluations record it as the model they scored, training stages as the model they started from."""
-    return identity(location) if is_stored(location) else model_identity(str(materialize(location)))
 
 
 def _shard_store(recipe: Recipe, workers: int, scored: str) -> str | None:
@@ -122,3 +117,111 @@ def score_all(recipe: Recipe, out_dir: Path) -> dict:
                     instruction=recipe.prompt_instruction)
     logger.info("eval: wrote %s", Path(out_dir) / "results.md")
     return summary
+
+
+class _Generator:
+    """The eval stage's generation, one model after another in one process: a Ray task a model (a GPU task's
+    worker exits after one call) paid the process, imports, CUDA context and kernels' first launches again for
+    every model. Each model's memory is given back before the next is loaded."""
+
+    def __init__(self):
+        task_setup()
+        self.served = 0
+
+    def generate(self, recipe: Recipe, out_dir: str, checkpoint: str, workers: int, eval_gpus: float) -> tuple[str, int]:
+        """Generations of one model; returns the node that holds them (where they are scored) and how many models
+        this process has generated for, this one included."""
+        import gc
+
+        import torch
+
+        generate_all(recipe, Path(out_dir), checkpoint, workers, eval_gpus if workers > 1 else 0)
+        gc.collect()  # the engine's cycles (its CUDA graphs and state pools) before the cache is emptied
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.served += 1
+        return ray.get_runtime_context().get_node_id(), self.served
+
+
+def _score_task(recipe: Recipe, out_dir: str) -> dict:
+    task_setup()
+    return score_all(recipe, Path(out_dir))
+
+
+def eval_dir(stage_dir: Path, name: str) -> Path:
+    """Where the evaluation stage writes the evaluation of ``eval.models`` entry ``name``: the last model's in the
+    stage's folder, each other model's in a folder of its name."""
+    return stage_dir if name == "last" else stage_dir / name
+
+
+def _scores(benchmarks: dict) -> str:
+    """``gsm8k avg@4 12.3%; ...`` from an evaluation's ``summary.json`` benchmarks."""
+    return "; ".join(f"{name} avg@{m['repeats']} {100 * m['avg@' + str(m['repeats'])]:.1f}%"
+                     for name, m in benchmarks.items())
+
+
+class EvalStage(Stage):
+    """Every model ``eval.models`` names, generated one after another in one worker process (sharded over the
+    plan's workers), each scored on the CPU while the next generates."""
+
+    name = "eval"
+
+    def preflight(self, recipe: Recipe) -> None:
+        """Evaluation files that exist and vLLM where the engine backend names it."""
+        from eval.benchmarks import BENCHMARKS
+
+        if recipe.eval.backend == "engine":
+            check_engine_installed("eval", recipe.eval.engine)
+        for name in recipe.eval.benchmarks:
+            looks_like_file = name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json", ".parquet"))
+            if name not in BENCHMARKS and looks_like_file and not Path(name).expanduser().exists():
+                raise RecipeError(f"eval.benchmarks: {name!r} is no file (from {Path.cwd()}) and no registered "
+                                  f"benchmark ({sorted(BENCHMARKS)})")
+
+    def scored(self, recipe: Recipe, stage_dir: Path) -> bool:
+        """Whether every model of ``eval.models`` has its summary (the stage is done)."""
+        return all((eval_dir(stage_dir, name) / "summary.json").exists() for name in recipe.eval.models)
+
+    def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str | None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        out = stage_dir.parent
+        generator = ray.remote(**(plan.whole if plan.eval_workers <= 1 else {"num_cpus": 1}))(_Generator)
+        one_model_each = recipe.eval.backend == "engine" and recipe.eval.engine.backend == "vllm"  # an engine a process
+        score = ray.remote(num_cpus=1)(_score_task)
+        scoring, worker = [], None  # each model is scored (CPU) while the GPU generates for the next
+        try:
+            for name in recipe.eval.models:
+                model = (start or initial_checkpoint(recipe, out)) if name == "last" else stage_model(recipe, out, name)
+                model_dir = str(eval_dir(stage_dir, name))
+                location = str(stored(recipe, model, "eval"))
+                if generated_already(Path(model_dir), location):  # a re-run: scored again, nothing generated
+                    logger.info("eval: %s: every generation of this model is in %s, scoring them again", name,
+                                model_dir)
+                    node = ray.get_runtime_context().get_node_id()  # where this driver read them
+                else:
+                    began = time.time()
+                    if worker is None or one_model_each:
+                        if worker is not None:
+                            ray.kill(worker)
+                        worker = generator.remote()
+                    node, served = ray.get(worker.generate.remote(recipe, model_dir, location, plan.eval_workers,
+                                                                  plan.eval_gpus))
+                    logger.info("eval: %s: generations in %.0f s (loading and engine included; the worker's model "
+                                "%d)", name, time.time() - began, served)
+                on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the output folder is that node's
+                scoring.append(score.options(scheduling_strategy=on_node).remote(recipe, model_dir))
+        finally:
+            if worker is not None:
+                ray.kill(worker)
+        ray.get(scoring)
+        return start
+
+    def highlight(self, recipe: Recipe, stage_dir: Path) -> str:
+        parts = []
+        for name in recipe.eval.models:  # the last model's scores, then those of the other models scored
+            summary_file = eval_dir(stage_dir, name) / "summary.json"
+            if summary_file.exists():
+                text = _scores(json.loads(summary_file.read_text())["benchmarks"])
+                parts.append(text if name == "last" else f"{name}: {text}")
+        return " / ".join(parts)

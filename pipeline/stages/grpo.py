@@ -35,21 +35,21 @@ from common.generation import request_seed
 from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty, VerifierPool
 
 from ..balance import BalanceLossMixin
-from ..checkpoints import CheckpointMarker, is_done, resume_point, save_final, writing
 from ..data import prompt_dataset
-from ..distributed import is_main_process, world
-from ..metrics import MetricsLogger, Timer, plot_curves
+from ..distributed import world
+from ..metrics import Timer, first_last_means, read_metrics
 from ..models import TRAINING_DTYPE, fsdp_precision, load_model, trainer_options, training_device, uses_fsdp
 from ..batching import grpo_batching
 from ..packing import packed_logps
-from ..recipe import Recipe
+from ..placement import GRPOPlacement
+from ..recipe import MAX_SAMPLING_ROUNDS, Recipe, RecipeError
+from .base import (Stage, callbacks, check_engine_installed, done, finish, fit, hand_on, initial_checkpoint,
+                   record_start, stored, task_setup)
 from ..rollout import SamplingParams
 from .rollout_batch import concat_batches, engine_correction, informative_groups, select_groups
 
 logger = logging.getLogger(__name__)
 
-
-MAX_SAMPLING_ROUNDS = 16
 
 
 def sampling_key(step: int, round_: int) -> int:
@@ -157,7 +157,7 @@ def build_rewards(recipe: Recipe, timer: Timer, verifier: MathVerifier, end_ids:
 @dataclass
 class SSEGRPOConfig(GRPOConfig):
     """TRL's ``GRPOConfig`` plus what our engines and DAPO's dynamic sampling add (the recipe's ``grpo`` section
-    maps onto it key for key)."""
+    maps onto it key for key, :func:`pipeline.models.trainer_options`; the recipe checks the values)."""
 
     max_prompt_length: int = field(default=1024, metadata={"help": "Prompts are cut to their last tokens."})
     importance_sampling: str = field(default="token_truncate", metadata={
@@ -171,16 +171,6 @@ class SSEGRPOConfig(GRPOConfig):
         "help": "Log-prob and loss passes run on packed rows of real tokens (no padding, no dense attention mask)."})
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "Tokens in one packed forward at most; default: as many as the padded micro-batch would hold."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.importance_sampling not in ("none", "token_truncate", "token_mask"):
-            raise ValueError(f"importance_sampling: {self.importance_sampling!r} is not one of none, token_truncate, "
-                             "token_mask")
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            raise ValueError(f"max_tokens_per_microbatch: must be positive, got {self.max_tokens_per_microbatch}")
-        if not 1 <= self.max_sampling_rounds <= MAX_SAMPLING_ROUNDS:
-            raise ValueError(f"max_sampling_rounds: {self.max_sampling_rounds} is not in [1, {MAX_SAMPLING_ROUNDS}]")
 
 
 class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
@@ -337,29 +327,10 @@ def grpo_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SS
     cfg = recipe.grpo
     batch = grpo_batching(recipe, world()[1])  # an optimizer step's rollouts over the workers
     args = SSEGRPOConfig(
-        **trainer_options(recipe, cfg, out_dir, device, batch, fsdp),
-        max_steps=cfg.steps,
+        **trainer_options(recipe, cfg, SSEGRPOConfig, out_dir, device, batch, fsdp),
         # the generation batch is global: each data-parallel worker takes whole groups of it
         steps_per_generation=cfg.mini_batches * batch.accumulation,
-        num_iterations=cfg.num_iterations,
-        num_generations=cfg.num_generations,
-        max_prompt_length=cfg.max_prompt_length,
-        max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
         lr_scheduler_type="constant",
-        loss_type=cfg.loss_type,
-        scale_rewards=cfg.scale_rewards,
-        epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high,
-        beta=cfg.beta,
-        mask_truncated_completions=cfg.mask_truncated_completions,
-        importance_sampling=cfg.importance_sampling,
-        importance_sampling_cap=cfg.importance_sampling_cap,
-        dynamic_sampling=cfg.dynamic_sampling,
-        max_sampling_rounds=cfg.max_sampling_rounds,
-        padding_free=cfg.padding_free,
-        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         reward_weights=None,
         shuffle_dataset=True,
     )
@@ -382,9 +353,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory(trainer_bytes)`` builds the engine fleet (which
     reads the model where it is kept, stored or local), told what the trainer keeps on its GPU."""
     out_dir = Path(out_dir)
-    final = out_dir / "final"
-    if is_done(final):
-        logger.info("grpo: already done (%s)", final)
+    if (final := done("grpo", out_dir)) is not None:
         return final
     device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
@@ -394,7 +363,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     verifier = MathVerifier(pool=VerifierPool(num_workers=recipe.grpo.rewards.workers,
                                               timeout=recipe.grpo.rewards.timeout),
                             strict=recipe.grpo.rewards.strict_boxed)
-    funcs, weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
+    funcs, reward_weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
     # what this worker's trainer keeps on its GPU while the engines generate: float32 weights, gradients, AdamW
     trainer_bytes = 16 * sum(p.numel() for p in model.parameters()) // (world()[1] if fsdp else 1)
     fleet = fleet_factory(trainer_bytes)
@@ -406,33 +375,114 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
             raise RuntimeError("grpo: the trainer is on CUDA but a rollout engine runs on the CPU; check the Ray GPU "
                                "resources (ray.num_gpus) and grpo.engine")
         args = grpo_config(recipe, out_dir, device, fsdp)
-        args.reward_weights = weights
-        store = recipe.stored_at("grpo", "checkpoints")
-        resume = resume_point(store, out_dir)
+        args.reward_weights = reward_weights
         trainer = SSEGRPOTrainer(
             model=model if fsdp else model.to(device),  # FSDP places each shard itself
             reward_funcs=funcs,
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[CheckpointMarker(store), *([MetricsLogger(out_dir / "metrics.jsonl", timer)]
-                                                  if is_main_process() else [])],
+            callbacks=callbacks(recipe, "grpo", out_dir, timer),
             fleet=fleet,
             timer=timer,
             balance_loss_coef=recipe.grpo.balance_loss_coef,
         )
-        if resume is not None:
-            logger.info("grpo: resuming from %s", resume)
-        with writing(out_dir / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
-            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        _, weights = fit("grpo", recipe, out_dir, trainer)
         _write_engines(out_dir, fleet)  # again, with the run's totals (tokens, steps, preemptions, weight versions)
-        weights = trainer.accelerator.get_state_dict(trainer.model)  # every worker: under FSDP a collective
     finally:
         fleet.shutdown()
         verifier.close()
-    if not is_main_process():  # rank 0 writes the stage's files
-        return final
-    plot_curves(out_dir / "metrics.jsonl", out_dir / "reward_curve.png",
-                ["reward", "rewards/*", "completions/mean_length", "balance_loss", "time/step_s"], "GRPO")
-    return save_final(trainer.accelerator.unwrap_model(trainer.model), tokenizer, final,
-                      {"stage": "grpo", "global_step": trainer.state.global_step}, weights)
+    return finish("grpo", out_dir, trainer, tokenizer, weights,
+                  ["reward", "rewards/*", "completions/mean_length", "balance_loss", "time/step_s"], {})
+
+
+# what a colocated vLLM engine leaves beside its cache and the trainer's state: its weights, activations and graphs
+VLLM_OVERHEAD = 4 * 2**30
+
+
+def colocated_vllm_cache(trainer_bytes: int) -> int:
+    """A colocated vLLM engine's cache bytes: vLLM sizes its cache once, when it starts, before the trainer holds its
+    memory, and allocates that much again at every wake; so it plans from what the trainer keeps while it sleeps
+    (``trainer_bytes``: weights, gradients, optimizer state of this worker), not from what is free at its start.
+    (Our engine plans again at every wake from the memory then free.)"""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    budget = int(0.9 * total) - trainer_bytes - VLLM_OVERHEAD
+    if budget <= 0:
+        raise RecipeError(f"grpo.engine.backend: vllm colocated with a trainer that keeps {trainer_bytes / 2**30:.1f} "
+                          f"GiB leaves no cache on a GPU of {total / 2**30:.0f} GiB: use grpo.placement: split")
+    return budget
+
+
+def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacement, group) -> str:
+    from ..models import engine_options, resolve_device
+    from ..rollout.actor import EngineFleet
+    from ..storage import materialize
+
+    task_setup()
+    cfg = recipe.grpo
+    sync = cfg.weight_sync
+    if sync == "broadcast":  # (a colocated broadcast is refused before the stages start: GRPOStage.check_plan)
+        sync = "nccl" if plan.engine.get("num_gpus", 0) >= 1 else "gloo"
+
+    def fleet_factory(trainer_bytes: int):  # the engines read the model where it is kept: stored, on any node
+        options = engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length)
+        if plan.colocated and cfg.engine.backend == "vllm" and options["memory_budget"] is None:
+            options["memory_budget"] = colocated_vllm_cache(trainer_bytes)
+        return EngineFleet(start_from, None, num_engines=plan.engines, max_restarts=cfg.max_engine_restarts,
+                           weight_sync=sync,
+                           sleep_between_calls=plan.colocated if cfg.engine.sleep is None else cfg.engine.sleep,
+                           device=resolve_device(recipe.device).type, **options,
+                           **plan.engine, resources=cfg.engine_resources, placement_group=group,
+                           bundles=plan.engine_bundles[world()[0]] if group is not None else None)
+
+    return hand_on(recipe, "grpo", run_grpo(recipe, Path(out_dir), materialize(start_from), fleet_factory))
+
+
+class GRPOStage(Stage):
+    """GRPO: trainer workers and their rollout engines, reserved together in one placement group."""
+
+    name = "grpo"
+
+    def preflight(self, recipe: Recipe) -> None:
+        check_engine_installed("grpo", recipe.grpo.engine)
+
+    def check_plan(self, recipe: Recipe, plan) -> None:
+        """Refuses a ``grpo.weight_sync`` the run's placement cannot serve."""
+        sync, mode = recipe.grpo.weight_sync, plan.grpo.mode
+        if sync == "cuda_ipc" and mode != "colocated":
+            raise RecipeError(f"grpo.weight_sync: cuda_ipc opens the trainer's GPU memory in engines on the same GPU "
+                              f"(grpo.placement colocated); this run places them {mode}: use broadcast for engines "
+                              "on GPUs of their own, object_store on CPU")
+        if sync == "broadcast" and mode == "colocated":
+            raise RecipeError("grpo.weight_sync: broadcast needs engines on GPUs of their own (NCCL pairs one process "
+                              "per GPU); with the engines on the trainer's GPU use cuda_ipc or object_store")
+
+    def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str:
+        import ray
+
+        from ..distributed import run_data_parallel
+        from ..placement import reserve
+
+        start = stored(recipe, start or initial_checkpoint(recipe, stage_dir.parent), "grpo")
+        record_start(stage_dir, start)
+        where = plan.grpo
+        group = reserve(where)
+        try:
+            args = (recipe, str(stage_dir), str(start), where, group)
+            if where.workers > 1:
+                options = [where.trainer_options(group, r) for r in range(where.workers)]
+                return run_data_parallel(_grpo_task, args, options, "grpo")
+            return ray.get(ray.remote(**where.trainer_options(group, 0))(_grpo_task).remote(*args))
+        finally:
+            if group is not None:
+                ray.util.remove_placement_group(group)
+
+    def highlight(self, recipe: Recipe, stage_dir: Path) -> str:
+        rewards = [r["reward"] for r in read_metrics(stage_dir / "metrics.jsonl") if "reward" in r]
+        if not rewards:
+            return ""
+        first, last, k = first_last_means(rewards)
+        return f"reward (mean of first/last {k} logs) {first:.3f} -> {last:.3f}; curve: `grpo/reward_curve.png`"
+

@@ -39,10 +39,8 @@ def segments_of(cu_seqlens: torch.Tensor) -> Segments:
 
 # SDPA's backends for the sequences of a packed row when the flash varlen kernel cannot serve it (CPU, float32, odd
 # head dims), cuDNN left out: cuDNN builds an execution plan for every new shape, and packed rows of real data bring
-# new sequence lengths at every step. Measured on an H100 at SmolLM2-135M's shape: distillation steps of 32k packed
-# tokens took ~10 s on real data (new lengths every step) and 1.4 s on the same batches seen a second time
-# (python -m benchmarks.pipeline.distill_step); python -m benchmarks.kernels.bench_packed --lengths 0 --attention varlen
-# per-sequence cudnn compares the three paths (random lengths, SSE-H: 231, 270 and 4,395 ms per step).
+# new sequence lengths at every step, so every step paid the plans again (python -m benchmarks.pipeline.distill_step;
+# python -m benchmarks.kernels.bench_packed --lengths 0 --attention varlen per-sequence cudnn compares the paths).
 PACKED_SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 

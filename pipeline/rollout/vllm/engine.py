@@ -17,6 +17,7 @@ import os
 import torch
 
 from ..engine import CompletionOutput, RequestOutput
+from ..options import DEFAULTS
 from ..sampling import SamplingParams
 
 
@@ -76,8 +77,8 @@ class VllmEngine:
     choose for SSE models (a state row must fit a KV page)."""
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, memory_budget: int | None = None,
-                 max_model_len: int = 4096, prefill_chunk_size: int = 2048, block_size: int | None = None,
-                 use_cuda_graphs: bool | None = None, dtype=None, seed: int = 0, **_):
+                 max_model_len: int = 4096, prefill_chunk_size: int = DEFAULTS.prefill_chunk_size,
+                 block_size: int | None = None, use_cuda_graphs: bool | None = None, dtype=None, seed: int = 0, **_):
         if not isinstance(model, (str, Path)):
             raise TypeError("engine.backend: vllm serves a checkpoint folder; got a model object")
         import_vllm()
