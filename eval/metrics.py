@@ -114,3 +114,30 @@ def summarize(problems: list[dict], seed: int = 0) -> dict:
         result["per_problem_boxed_accuracy"] = [sum(row) / n for row in strict]
         result[f"boxed_avg@{n}_ci95"] = bootstrap_ci(result["per_problem_boxed_accuracy"], seed=seed)
     return result
+
+
+def hierarchical_bootstrap(arms: list[list[dict[str, float]]], iterations: int = 2000,
+                           seed: int = 0) -> list[list[float]]:
+    """Resamples the draws (independent training runs) of each arm and the problems they share: ``arms[a]`` holds arm
+    ``a``'s draws, each problem id -> accuracy. Each iteration draws the problems once (shared by every arm: a
+    comparison stays paired) and each arm's draws with replacement, and returns each arm's mean over them. With one
+    draw per arm this is the problems' bootstrap; with several, the spread between runs widens the interval as it
+    should (resampling problems alone left it out)."""
+    import numpy as np
+
+    shared = [k for k in arms[0][0] if all(k in d for arm in arms for d in arm)]
+    if not shared:
+        return []
+    rng = np.random.default_rng(seed)
+    tables = [np.array([[d[k] for k in shared] for d in arm]) for arm in arms]  # [draws, problems] per arm
+    out = []
+    for _ in range(iterations):
+        problems = rng.integers(0, len(shared), len(shared))
+        out.append([float(t[rng.integers(0, len(t), len(t))][:, problems].mean()) for t in tables])
+    return out
+
+
+def percentile_interval(values: Sequence[float], alpha: float = 0.05) -> tuple[float, float]:
+    values = sorted(values)
+    n = len(values)
+    return values[int(alpha / 2 * n)], values[min(n - 1, int((1 - alpha / 2) * n))]

@@ -17,9 +17,10 @@ def summary_json(summary: dict, indent: int = 2) -> str:
     def scalar(value) -> bool:
         return not isinstance(value, (dict, list))
 
-    def flat(value) -> bool:  # scalars, and lists of scalars (a problem's answers), all on one line
+    def flat(value) -> bool:  # scalars, lists and dicts of scalars (a problem's answers, its baselines): one line
         children = value.values() if isinstance(value, dict) else value
-        return all(scalar(c) or (isinstance(c, list) and all(map(scalar, c))) for c in children)
+        return all(scalar(c) or (isinstance(c, (list, dict)) and all(map(scalar, c.values() if isinstance(c, dict)
+                                                                          else c))) for c in children)
 
     def dump(value, depth: int) -> str:
         if scalar(value) or flat(value):  # empty containers too
@@ -65,19 +66,47 @@ def accuracy_cell(m: dict) -> str:
     return cell
 
 
+def headline(m: dict) -> tuple[float, float, float] | None:
+    """A benchmark's headline accuracy and interval: the boxed answers' alone where the prompt asked for a box
+    (``m["headline"]``; summaries from before it was recorded: the lenient reading)."""
+    return accuracy(m, boxed=m.get("headline", "").startswith("boxed_"))
+
+
+def baseline_cell(m: dict) -> str:
+    """The benchmark's best trivial baseline (what it is, its accuracy in %), and whether the model is shown to beat
+    it; empty for summaries written before baselines were counted."""
+    if "baselines" not in m:
+        return ""
+    best = m["baselines"]["best"]
+    guess = m["baselines"][best].get("answer")
+    what = f"{best} ({guess})" if guess is not None else best
+    mark = "" if m.get("beats_baseline") else " **not beaten**"
+    return f"{what}: {100 * m['baselines'][best]['accuracy']:.1f}{mark}"
+
+
 def markdown_table(summary: dict) -> str:
     benches = summary["benchmarks"]
-    lines = ["| benchmark | problems | n | avg@n (95% CI) | pass@n | maj@n | mean len | max len | truncated | boxed "
-             "| boxed avg@n (95% CI) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| benchmark | problems | n | headline avg@n (95% CI) | lenient avg@n (95% CI) | best trivial baseline "
+             "| pass@n | maj@n | mean len | max len | truncated | boxed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in benches.items():
         n = m["repeats"]
         pass_n = m["pass@k"][n] if n in m["pass@k"] else m["pass@k"][str(n)]
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
-        lines.append(f"| {name} | {m['problems']} | {n} | {percent_ci(accuracy(m))} | "
+        strict = m.get("headline", "").startswith("boxed_")
+        lines.append(f"| {name} | {m['problems']} | {n} | {percent_ci(headline(m))}{' boxed only' if strict else ''} | "
+                     f"{percent_ci(accuracy(m))} | {baseline_cell(m)} | "
                      f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "
-                     f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} | "
-                     f"{percent_ci(accuracy(m, boxed=True))} |")
+                     f"{100 * m['truncation_rate']:.1f}% | {_percent(m.get('boxed_rate'))} |")
+    strata = [(name, m["by_answer_size"]) for name, m in benches.items() if m.get("by_answer_size")]
+    if strata:
+        lines += ["", "By answer size (accuracy in %, the headline reading; the best baseline on the same problems):",
+                  "", "| benchmark | answers | problems | headline | lenient | best baseline |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, groups in strata:
+            for stratum, g in groups.items():
+                lines.append(f"| {name} | {stratum} | {g['problems']} | {100 * g['accuracy']:.1f} | "
+                             f"{100 * g['lenient_accuracy']:.1f} | {100 * g['best_baseline']:.1f} |")
     s = summary.get("sampling", {})
     lines.append("")
     if summary.get("model"):
@@ -89,9 +118,11 @@ def markdown_table(summary: dict) -> str:
         if m.get("prompts_truncated"):
             lines.append(f"{name}: {m['prompts_truncated']} problems were shortened to fit the prompt limit.")
     lines.append(f"Sampling: temperature {s.get('temperature')}, top-p {s.get('top_p')}, "
-                 f"max new tokens {s.get('max_new_tokens')}. Accuracies in %; boxed: the share of answers given in "
-                 "a \\boxed{} as asked (the others are read from the last stated answer); boxed avg@n: the accuracy "
-                 "counting boxed answers only.")
+                 f"max new tokens {s.get('max_new_tokens')}. Accuracies in %. Headline: where the prompt asks for "
+                 "\\boxed{}, only boxed answers count (boxed only); lenient: an unboxed answer read from the last "
+                 "stated one counts too. Best trivial baseline: the best of the set's commonest answer given to every "
+                 "problem and the question's last or first number, graded alike; **not beaten**: the headline's 95% "
+                 "interval does not lie above it. boxed: the share of answers given in a box.")
     return "\n".join(lines) + "\n"
 
 
@@ -106,17 +137,23 @@ def plot(summary: dict, path: Path) -> None:
     names = list(benches)
     acc, err_lo, err_hi = [], [], []
     for name in names:
-        m = benches[name]
-        n = m["repeats"]
-        lo, hi = m[f"avg@{n}_ci95"]
-        acc.append(100 * m[f"avg@{n}"])
+        value, lo, hi = headline(benches[name])
+        acc.append(100 * value)
         err_lo.append(acc[-1] - 100 * lo)
         err_hi.append(100 * hi - acc[-1])
     bars = left.bar(names, acc, yerr=[err_lo, err_hi], capsize=4, color="tab:blue")
     left.bar_label(bars, labels=[f"{a:.1f}" for a in acc], padding=2, fontsize=8)
     top = max([a + e for a, e in zip(acc, err_hi)] + [1.0])
     left.set_ylim(0, min(100.0, top * 1.2) if top < 100 else 105)  # an all-zero run still has a 0-based axis
-    left.set_ylabel("avg@n accuracy (%)")
+    baselines = [100 * benches[n]["baselines"][benches[n]["baselines"]["best"]]["accuracy"]
+                 if "baselines" in benches[n] else None for n in names]
+    drawn = [i for i, base in enumerate(baselines) if base is not None]
+    for i in drawn:
+        left.hlines(baselines[i], i - 0.4, i + 0.4, colors="tab:red", linestyles="--",
+                    label="best trivial baseline" if i == drawn[0] else None)
+    if drawn:
+        left.legend(fontsize=8)
+    left.set_ylabel("headline avg@n accuracy (%)")
     left.set_title("Accuracy per benchmark (95% bootstrap CI)")
     left.tick_params(axis="x", rotation=30)
     for name in names:

@@ -14,15 +14,18 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from common.files import read_jsonl, repair_tail
+from common.generation import INSTRUCTION, request_seed
 from rewards.extract import last_boxed
 from rewards.verify import MathVerifier
 
+from .baselines import answer_size, by_answer_size, score_baselines
 from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problems
 from .generation import GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
-from common.generation import INSTRUCTION, request_seed
-from common.files import read_jsonl, repair_tail
 from .metrics import cluster_answers, summarize
 from .report import write_reports
+
+BOXED = "\\boxed"  # an instruction that names it asks for boxed answers: their accuracy is the headline
 
 
 class GenerationSettingsChanged(ValueError):
@@ -231,10 +234,26 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
     summary["reward_stats"] = stats.as_dict()
     summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
     summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})
+    # the headline: where the prompt asks for \boxed{}, the boxed answers alone (the lenient reading beside it)
+    asks_boxed = instruction is None or BOXED in instruction
+    summary["headline"] = f"{'boxed_' if asks_boxed else ''}avg@{repeats}"
     boxed = summary.pop("per_problem_boxed_accuracy")  # each problem's strict reading, for paired comparisons
-    summary["per_problem"] = [{"id": p.id, "accuracy": acc, "boxed_accuracy": boxed[i],
+    lenient = summary.pop("per_problem_accuracy")
+    baselines = score_baselines(problems, verifier)
+    best = baselines["best"]
+    summary["baselines"] = {**{k: {f: x for f, x in v.items() if f != "per_problem"} for k, v in baselines.items()
+                               if k != "best"}, "best": best}
+    low = summary[f"{summary['headline']}_ci95"][0]
+    summary["beats_baseline"] = low > baselines[best]["accuracy"]  # shown to, at 95%: not a point estimate's lead
+    headline = boxed if summary["headline"].startswith("boxed_") else lenient
+    summary["by_answer_size"] = by_answer_size(problems, {"accuracy": headline, "lenient_accuracy": lenient,
+                                                          "best_baseline": baselines[best]["per_problem"]})
+    summary["per_problem"] = [{"id": p.id, "accuracy": lenient[i], "boxed_accuracy": boxed[i],
+                               "answer_size": answer_size(p.answer),
+                               "baselines": {k: baselines[k]["per_problem"][i] for k in summary["baselines"]
+                                             if k != "best"},
                                "answers": answers[i * repeats:(i + 1) * repeats]}
-                              for i, (p, acc) in enumerate(zip(problems, summary.pop("per_problem_accuracy")))]
+                              for i, p in enumerate(problems)]
     return summary
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from eval.metrics import bootstrap_ci
-from eval.report import accuracy, accuracy_cell, answer_style, percent_ci
 from common.files import atomic_write
+from eval.metrics import bootstrap_ci, hierarchical_bootstrap, percentile_interval
+from eval.report import accuracy, accuracy_cell, answer_style, percent_ci
 
 from .metrics import first_last_means, moving_average, read_metrics
 from .recipe import stage_settings
@@ -50,11 +50,17 @@ class Evaluation:
     stage: str
     benchmarks: dict[str, dict]  # name -> its metrics in the evaluation's summary
     model: str = ""  # the checkpoint it scored, with its fingerprint (the summary's ``model``)
+    # a pool of independent runs (:func:`pooled`): each member evaluation, whose spread the intervals resample
+    members: list["Evaluation"] = field(default_factory=list)
 
     def accuracies(self, benchmark: str, reading: str = "accuracy") -> dict[str, float]:
         """Each problem's accuracy (id -> mean over its samples), where the summary kept them; ``reading``
         "boxed_accuracy": counting boxed answers alone."""
         return {p["id"]: p[reading] for p in self.benchmarks[benchmark].get("per_problem", []) if reading in p}
+
+    def draws(self, benchmark: str, reading: str = "accuracy") -> list[dict[str, float]]:
+        """Each independent run's problem accuracies: the members of a pool, or this evaluation alone."""
+        return [e.accuracies(benchmark, reading) for e in (self.members or [self])]
 
 
 @dataclass
@@ -75,6 +81,7 @@ class Run:
     # the evaluation's settings, the seed aside: one model scored with other settings (another engine backend) is
     # paired with itself, which measures the evaluation rather than the model
     evaluated_with: str | None = None
+    seeds: str | None = None  # every seed of the recipe (its own, each data set's): runs alike in all are one draw
 
 
 def stage_of(model: str, where: Path, run: Path) -> str:
@@ -115,6 +122,7 @@ def read_run(label: str, folder: Path) -> Run:
                 if not made_in(run.starts[stage], resolved.get("output_dir", "")):
                     borrowed[name] = run.starts[stage]
     if isinstance(resolved, dict):
+        run.seeds = json.dumps(_seeds(resolved), sort_keys=True)
         run.evaluated_with = json.dumps(_settings(resolved, "eval"), sort_keys=True, default=str)
         for stage, chain in CHAIN.items():
             # a borrowed start: the lineage names that model and the stages from it on (draws from one shared
@@ -138,6 +146,33 @@ def read_run(label: str, folder: Path) -> Run:
     if engines.exists():
         run.state_bytes = next(iter(json.loads(engines.read_text())), {}).get("per_slot_bytes")
     return run
+
+
+def _seeds(resolved: dict, prefix: str = "") -> dict:
+    """Every seed a resolved recipe sets (``seed``, ``distill.data.seed``, ...): what makes two runs of one recipe
+    independent draws."""
+    found = {}
+    for key, value in resolved.items():
+        if isinstance(value, dict):
+            found.update(_seeds(value, f"{prefix}{key}."))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    found.update(_seeds(item, f"{prefix}{key}[{i}]."))
+        elif key == "seed":
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+def independent(members: list[tuple["Run", Evaluation]]) -> list[tuple["Run", Evaluation]]:
+    """The members of a pool that are independent draws: of runs alike in every seed (one model made twice, up to
+    the GPU's nondeterminism) only the first counts."""
+    kept, seen = [], set()
+    for run, e in members:
+        if run.seeds is None or run.seeds not in seen:
+            kept.append((run, e))
+            seen.add(run.seeds)
+    return kept
 
 
 def made_in(model: str, output_dir: str) -> bool:
@@ -171,6 +206,35 @@ def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[fl
     return (sum(diffs) / len(diffs), *bootstrap_ci(diffs))
 
 
+def difference(before: Evaluation, after: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
+    """``after - before`` on the problems both scored: :func:`paired_change` for two runs; where either is a pool of
+    runs, the hierarchical bootstrap (runs and problems), so the runs' spread is in the interval."""
+    if not (before.members or after.members):
+        return paired_change(before.accuracies(benchmark, reading), after.accuracies(benchmark, reading))
+    samples = hierarchical_bootstrap([before.draws(benchmark, reading), after.draws(benchmark, reading)])
+    if not samples:
+        return None
+    b, a = (pooled_mean(e.draws(benchmark, reading)) for e in (before, after))
+    return (a - b, *percentile_interval([y - x for x, y in samples]))
+
+
+def ratio(before: Evaluation, after: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
+    """``after / before`` of two pools' mean accuracies, with its hierarchical bootstrap interval: a claim that one
+    arm is at least a fraction of another reads this interval's lower bound."""
+    samples = [(x, y) for x, y in hierarchical_bootstrap([before.draws(benchmark, reading),
+                                                           after.draws(benchmark, reading)]) if x > 0]
+    b, a = (pooled_mean(e.draws(benchmark, reading)) for e in (before, after))
+    if not samples or not b:
+        return None
+    return (a / b, *percentile_interval([y / x for x, y in samples]))
+
+
+def pooled_mean(draws: list[dict[str, float]]) -> float:
+    """The mean over draws of each draw's mean over the problems they all scored."""
+    shared = [k for k in draws[0] if all(k in d for d in draws)]
+    return sum(d[k] for d in draws for k in shared) / (len(draws) * len(shared)) if shared else float("nan")
+
+
 def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
     """One evaluation whose problems' accuracies (and boxed answers' accuracies) are the means over
     ``evaluations``, on the problems all of them scored: what several draws of one variant gained on average, to
@@ -189,7 +253,7 @@ def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
             values = [e.benchmarks[benchmark].get(name) for e in evaluations]
             if None not in values:
                 benchmarks[benchmark][name] = sum(values) / len(values)
-    return Evaluation(stage, benchmarks)
+    return Evaluation(stage, benchmarks, members=list(evaluations))
 
 
 def _signed(change: tuple[float, float, float] | None) -> str:
@@ -197,13 +261,15 @@ def _signed(change: tuple[float, float, float] | None) -> str:
 
 
 def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
-    """A pooled evaluation's table cell, in %: the mean over its problems with a 95% interval from resampling them,
-    the answers' style (as a run's cell has it) and the boxed answers' accuracy alone where every draw counted them."""
+    """A pooled evaluation's table cell, in %: the mean over its runs and problems with a 95% interval from resampling
+    both (:func:`~eval.metrics.hierarchical_bootstrap`), the answers' style (as a run's cell has it) and the boxed
+    answers' accuracy alone where every draw counted them."""
     cells = []
     for reading in ("accuracy", "boxed_accuracy"):
-        values = list(evaluation.accuracies(benchmark, reading).values())
-        if values:
-            cells.append(percent_ci((sum(values) / len(values), *bootstrap_ci(values))))
+        draws = evaluation.draws(benchmark, reading)
+        if all(draws):
+            samples = hierarchical_bootstrap([draws])
+            cells.append(percent_ci((pooled_mean(draws), *percentile_interval([m for (m,) in samples]))))
     cell = (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
     return f"{cell} ({cells[1]} boxed alone)" if len(cells) == 2 else cell
 
@@ -212,12 +278,13 @@ def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluat
     """(stage, lineage) -> the labels of the runs of one recipe (the seed aside; whole, or from one shared model)
     that scored that stage, and their pooled evaluation: draws of one arm, where one draw's distance from another arm
     is as noisy as the draws."""
-    members: dict[tuple[str, str], list[tuple[str, Evaluation]]] = {}
+    members: dict[tuple[str, str], list[tuple[Run, Evaluation]]] = {}
     for run in runs:
         for e in run.evaluations:
             if e.stage in run.lineage:
-                members.setdefault((e.stage, run.lineage[e.stage]), []).append((run.label, e))
-    return {key: ([label for label, _ in m], pooled(key[0], [e for _, e in m])) for key, m in members.items()
+                members.setdefault((e.stage, run.lineage[e.stage]), []).append((run, e))
+    members = {key: independent(m) for key, m in members.items()}
+    return {key: ([run.label for run, _ in m], pooled(key[0], [e for _, e in m])) for key, m in members.items()
             if len(m) > 1}
 
 
@@ -263,7 +330,8 @@ def markdown(runs: list[Run]) -> str:
         lines.append(f"| mean of {', '.join(labels)}, {stage} | " + " | ".join(cells) + " |")
     lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks"
               + ("; a mean of runs: each problem's accuracy averaged over runs of one recipe (the seed aside; whole, "
-                 "or from one shared model), its interval from the problems" if draws_of_arms else "") + ".", ""]
+                 "or from one shared model; runs alike in every seed count once), its interval from resampling the runs "
+                 "and the problems" if draws_of_arms else "") + ".", ""]
     pairs = [(f"{run.label}: {earlier.stage} -> {later.stage}", earlier, later)
              for run in runs for earlier, later in zip(run.evaluations, run.evaluations[1:])]
     pairs += [(f"{run.label} - {runs[0].label}, {e.stage}", first, e) for run in runs[1:] for e in run.evaluations
@@ -280,35 +348,52 @@ def markdown(runs: list[Run]) -> str:
               and None not in (run.evaluated_with, other.evaluated_with) and run.evaluated_with != other.evaluated_with
               and not (i == 0 and f.stage == e.stage)]
     # runs that differ in the seed alone, started from one model: the mean of their problems' accuracies against it
-    draws: dict[tuple[str, str, str], list[tuple[str, Evaluation]]] = {}
+    draws: dict[tuple[str, str, str], list[tuple[Run, Evaluation]]] = {}
     for run in runs:
         for e in run.evaluations:
             if e.stage in run.variants:
-                draws.setdefault((run.starts[e.stage], e.stage, run.variants[e.stage]), []).append((run.label, e))
+                draws.setdefault((run.starts[e.stage], e.stage, run.variants[e.stage]), []).append((run, e))
     for (model, stage, _), members in draws.items():
+        members = independent(members)
         start = next(((other, s) for other in runs for s in other.evaluations if s.model and s.model == model), None)
         if len(members) > 1 and start is not None:
-            labels = ", ".join(label for label, _ in members)
+            labels = ", ".join(run.label for run, _ in members)
             pairs.append((f"mean of {labels}: {start[0].label}, {start[1].stage} -> {stage}", start[1],
                           pooled(stage, [e for _, e in members])))
-    # draws of one arm against the draws of the first run's arm, at the same stage
+    # draws of one arm against the draws of the first run's arm, at the same stage (and as a ratio)
+    ratios = []
     for (stage, key), (labels, e) in draws_of_arms.items():
         base = first_arm_pool(runs[0], stage, key, draws_of_arms)
         if base is not None and base != key:
-            pairs.append((f"mean of {', '.join(labels)} - mean of {', '.join(draws_of_arms[(stage, base)][0])}, "
-                          f"{stage}", draws_of_arms[(stage, base)][1], e))
+            names = (f"mean of {', '.join(labels)}", f"mean of {', '.join(draws_of_arms[(stage, base)][0])}")
+            pairs.append((f"{names[0]} - {names[1]}, {stage}", draws_of_arms[(stage, base)][1], e))
+            ratios.append((f"{names[0]} / {names[1]}, {stage}", draws_of_arms[(stage, base)][1], e))
     tables = 0
     for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
         changes = []
         for name, before, after in pairs:
-            cells = [paired_change(before.accuracies(b, reading), after.accuracies(b, reading))
-                     if b in before.benchmarks and b in after.benchmarks else None for b in benchmarks]
+            cells = [difference(before, after, b, reading) if b in before.benchmarks and b in after.benchmarks else None
+                     for b in benchmarks]
             if any(cells):
                 changes.append(f"| {name} | " + " | ".join(_signed(c) for c in cells) + " |")
         if changes:
             lines += [f"| {title} | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
                       "|---|" + "---|" * len(benchmarks), *changes, ""]
             tables += 1
+    for reading, title in (("accuracy", "ratio"), ("boxed_accuracy", "ratio, boxed alone")):
+        rows = []
+        for name, before, after in ratios:
+            cells = [ratio(before, after, b, reading) if b in before.benchmarks and b in after.benchmarks else None
+                     for b in benchmarks]
+            if any(cells):
+                rows.append(f"| {name} | " + " | ".join("" if c is None else "{:.0f}% ({:.0f}-{:.0f}%)".format(
+                    *(100 * v for v in c)) for c in cells) + " |")
+        if rows:
+            lines += [f"| {title} | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
+                      "|---|" + "---|" * len(benchmarks), *rows,
+                      "", "One arm's mean accuracy over the other's, its interval from resampling both arms' runs "
+                      "and the problems (a claim that an arm reaches a fraction of the other reads the lower bound).",
+                      ""]
     if tables:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
                   "a run started from another run's model against that model, one model evaluated with other "
@@ -387,9 +472,13 @@ def plot(runs: list[Run], path: Path) -> None:
 def compare(entries: list[str], out: Path) -> Path:
     """``entries``: run folders, each optionally ``LABEL=FOLDER``; writes ``out/compare.md`` and ``out/compare.png``
     and returns the markdown file."""
-    runs = []
+    runs, seen = [], {}
     for entry in entries:
         label, _, folder = entry.partition("=") if "=" in entry else ("", "", entry)
+        where = Path(folder).resolve()
+        if where in seen:  # one run given twice would be pooled as two independent draws
+            raise ValueError(f"{folder}: given twice (as {seen[where]} and {entry}); each run once")
+        seen[where] = entry
         runs.append(read_run(label or Path(folder).name, Path(folder)))
     out = Path(out)
     plot(runs, out / "compare.png")

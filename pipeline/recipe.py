@@ -211,7 +211,7 @@ class RewardConfig:
     format_min_reasoning_chars: int = bounded(20, ge=0)  # non-space characters the format reward wants before the box
     overlong: float = bounded(0.0, ge=0)
     overlong_cache: int = bounded(4096, ge=0)
-    strict_boxed: bool = False
+    strict_boxed: bool = True  # only a boxed answer earns accuracy (false: the last stated answer too, which GRPO learned to game)
     timeout: float = bounded(5.0, gt=0)  # seconds per answer; at 0 every answer would score 0
     workers: int | None = bounded(None, ge=1)
 

@@ -68,7 +68,42 @@ def test_the_summary_counts_answers_given_in_a_box():
     assert summary["boxed_avg@2"] == pytest.approx(0.25)  # one right answer of four was boxed
     assert [(q["accuracy"], q["boxed_accuracy"]) for q in summary["per_problem"]] == [(1.0, 0.5), (0.5, 0.0)]
     lo, hi = summary["boxed_avg@2_ci95"]
-    assert f"| 0.0% | 50% | 25.0 ({100 * lo:.1f}-{100 * hi:.1f}) |" in markdown_table({"benchmarks": {"toy": summary}})
+    assert summary["headline"] == "boxed_avg@2"  # no instruction named: the boxed reading, as the default asks
+    assert f"| 25.0 ({100 * lo:.1f}-{100 * hi:.1f}) boxed only | 75.0 (" in markdown_table({"benchmarks": {"toy": summary}})
+
+
+def test_every_score_stands_beside_the_trivial_baselines_and_by_answer_size():
+    """A set whose commonest answer is 1: answering "1" to everything scores its share, and a model doing just that
+    is marked as not beating the best baseline; the question's last number is a baseline too; accuracy is split by
+    answer size, the baseline beside it on the same problems."""
+    from eval.baselines import answer_size, guesses
+    from eval.benchmarks import Problem
+    from eval.report import markdown_table
+    from eval.runner import score_benchmark
+
+    problems = [Problem(str(i), f"Ann has {i + 3} pens and loses {i + 2}. How many are left?", "1") for i in range(6)]
+    problems += [Problem("6", "Bo has 20 cards and buys 30. How many?", "50"),
+                 Problem("7", "Cy has 4 eggs and 8 more. How many?", "12")]
+    assert guesses(problems)["commonest answer"] == ["1"] * 8 and guesses(problems)["last number"][6] == "30"
+    assert [answer_size(a) for a in ("1", "-3", "12", "1,024", "\\frac{1}{2}")] == \
+        ["<= 10", "<= 10", "> 10", "> 10", "other"]
+    records = [{"problem_id": p.id, "sample": k, "text": "so \\boxed{1}", "num_tokens": 3, "finish_reason": "stop"}
+               for p in problems for k in range(2)]
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    try:
+        summary = score_benchmark(problems, records, repeats=2, verifier=verifier)
+    finally:
+        verifier.close()
+    base = summary["baselines"]
+    assert base["best"] == "commonest answer" and base["commonest answer"]["accuracy"] == pytest.approx(0.75)
+    assert base["last number"]["accuracy"] == 0.0 and base["commonest answer"]["answer"] == "1"
+    assert summary["boxed_avg@2"] == pytest.approx(0.75) and not summary["beats_baseline"]
+    small, large = summary["by_answer_size"]["<= 10"], summary["by_answer_size"]["> 10"]
+    assert (small["problems"], small["accuracy"], small["best_baseline"]) == (6, 1.0, 1.0)
+    assert (large["problems"], large["accuracy"], large["best_baseline"]) == (2, 0.0, 0.0)
+    assert summary["per_problem"][6]["answer_size"] == "> 10"
+    table = markdown_table({"benchmarks": {"toy": summary}})
+    assert "commonest answer (1): 75.0 **not beaten**" in table and "| toy | > 10 | 2 | 0.0 | 0.0 | 0.0 |" in table
 
 
 def test_problem_loading(tmp_path):
@@ -424,7 +459,13 @@ def test_compare_pools_whole_runs_of_one_recipe_as_draws_of_one_arm(tmp_path):
                            "| mean of s3, s7 - mean of s1, s2, after distillation",
                            "| mean of t3, t4 - mean of s3, s7, after distillation",
                            "| mean of s8, s9 - mean of s1, s2, after distillation",
-                           "| mean of t5, t6 - mean of s8, s9, after distillation"}
+                           "| mean of t5, t6 - mean of s8, s9, after distillation",
+                           # and as ratios, read by a claim that one arm reaches a fraction of the other
+                           "| mean of t1, t2 / mean of s1, s2, after distillation",
+                           "| mean of s3, s7 / mean of s1, s2, after distillation",
+                           "| mean of t3, t4 / mean of s3, s7, after distillation",
+                           "| mean of s8, s9 / mean of s1, s2, after distillation",
+                           "| mean of t5, t6 / mean of s8, s9, after distillation"}
 
 
 def test_compare_pools_whole_runs_whose_recipes_name_a_relative_output_dir(tmp_path):

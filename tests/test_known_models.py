@@ -207,7 +207,7 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
         "grpo.dynamic_sampling=false", "eval.benchmarks=[gsm8k]", "eval.limit=2", "eval.repeats=1",
         "eval.max_new_tokens=8"]
     recipe = load_recipe("demo", [*recipe_overrides, "eval.models=[last,initial,align]"])
-    with caplog.at_level(logging.INFO, logger="pipeline.run"):
+    with caplog.at_level(logging.INFO, logger="pipeline"):
         run_recipe(recipe, ("align", "distill", "grpo", "eval"))
     served = [line for line in caplog.messages if "generations in" in line]
     assert [line.split()[1] for line in served] == ["last:", "initial:", "align:"], served
@@ -229,7 +229,7 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     # a model added to eval.models: the re-run is not refused, and only that model is generated for
     more = load_recipe("demo", [*recipe_overrides, "eval.models=[last,initial,align,distill]"])
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pipeline.run"):
+    with caplog.at_level(logging.INFO, logger="pipeline"):
         report = run_recipe(more, ("eval",))
     assert [line.split()[1] for line in caplog.messages if "generations in" in line] == ["distill:"], caplog.messages
     assert "distill: gsm8k avg@1" in report.read_text() and (run / "eval" / "distill" / "summary.json").exists()
