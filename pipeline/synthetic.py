@@ -14,6 +14,7 @@ answer.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 NAMES = ["Mia", "Liam", "Ava", "Noah", "Emma", "Omar", "Sofia", "Ken", "Lena", "Ravi", "Zoe", "Ben"]
 THINGS = ["apples", "marbles", "stickers", "books", "cookies", "pencils", "shells", "cards", "coins", "eggs"]
@@ -70,14 +71,19 @@ def _event(rng: random.Random, name: str, count: int, thing: str) -> tuple[str, 
 
 
 def word_problem_records(n: int, seed: int = 0, steps: int = 3, max_steps: int | None = None,
-                         boxed: float = 1.0) -> list[dict]:
+                         boxed: float = 1.0, spread: float = 1.0) -> list[dict]:
     """GSM8K-style problems with ``steps`` events after the starting count (a number drawn from
-    ``steps..max_steps`` per problem when ``max_steps`` is given); answers stay below 1,000."""
+    ``steps..max_steps`` per problem when ``max_steps`` is given); answers stay below 1,000. ``spread``: the largest
+    share of the ``n`` problems one answer may take (a problem whose answer has it already is drawn again), so that no
+    constant answer scores more than that on the set, nor earns more than that share of a reward in training."""
     max_steps = steps if max_steps is None else max_steps
     if not 1 <= steps <= max_steps:
         raise ValueError(f"word problems need 1 <= steps <= max_steps, got steps={steps}, max_steps={max_steps}")
+    if not 0 < spread <= 1:
+        raise ValueError(f"word problems need 0 < spread <= 1, got spread={spread}")
+    cap = max(1, int(spread * n))
     rng = random.Random(seed)
-    records = []
+    records, answers = [], Counter()
     while len(records) < n:
         name, thing = rng.choice(NAMES), rng.choice(THINGS)
         count = rng.randint(2, 30)
@@ -86,8 +92,9 @@ def word_problem_records(n: int, seed: int = 0, steps: int = 3, max_steps: int |
             sentence, step, count = _event(rng, name, count, thing)
             story.append(sentence)
             solution.append(step)
-        if count >= 1000:
+        if count >= 1000 or answers[count] >= cap:
             continue
+        answers[count] += 1
         story.append(f"How many {thing} does {name} have now?")
         solution.append(f"{name} has {count} {thing} now. {_final(count, boxed, rng)}")
         records.append({"id": f"word-{seed}-{len(records)}", "problem": " ".join(story),
@@ -97,5 +104,6 @@ def word_problem_records(n: int, seed: int = 0, steps: int = 3, max_steps: int |
 
 BUILTINS = {
     "arithmetic": (arithmetic_records, {"n": int, "terms": int, "boxed": float}),
-    "word_problems": (word_problem_records, {"n": int, "steps": int, "max_steps": int, "boxed": float}),
+    "word_problems": (word_problem_records, {"n": int, "steps": int, "max_steps": int, "boxed": float,
+                                             "spread": float}),
 }

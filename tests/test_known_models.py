@@ -298,7 +298,7 @@ def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
 
     recipe = load_recipe("smollm2-135m")
     assert recipe.model.convert_from == "smollm2-135m"
-    assert recipe.eval.benchmarks == ["gsm8k", "word_problems", "math500"]
+    assert recipe.eval.benchmarks == ["gsm8k", "word_problems_val", "math500"]
     traces = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
     answers = prompt_dataset(DataSpec(source="gsm8k_train"), recipe.prompt_instruction)
     assert len(traces) == 7473 + 3000 and len(answers) == 7473
@@ -306,10 +306,12 @@ def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
         text = row["completion"][0]["content"]
         assert "<<" not in text and "####" not in text
         assert extract_answer(text) == prompt["answer"], text
-    held_out = {p.problem for p in load_problems("word_problems")}
+    held_out = {p.problem for name in ("word_problems_val", "word_problems_test") for p in load_problems(name)}
     for spec in (recipe.grpo.data, *recipe.distill.data.mix):
-        trained = {r["problem"] for r in builtin_records(spec.source, spec)}
-        assert len(trained) > 1000 and not trained & held_out, spec
+        trained = builtin_records(spec.source, spec)
+        assert len(trained) > 1000 and not {r["problem"] for r in trained} & held_out, spec
+        # no story of training has the held-out sets' four events: their structure is never trained on
+        assert max(r["problem"].count(".") for r in trained) < min(p.count(".") for p in held_out)
 
 
 def test_a_damaged_cached_model_is_refused_on_use(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ def test_recipes_validate_and_name_bad_keys(tmp_path):
     assert engine_options(quiet, quiet.grpo.engine, 512)["overlap"] is False  # reaches the engine's constructor
     gpu = load_recipe("gpu-100m")
     assert gpu.device == "cuda" and gpu.grpo.engine.dtype == "bfloat16" and gpu.grpo.engine.sleep is False
-    assert gpu.eval.benchmarks == ["word_problems", "gsm8k"]
+    assert gpu.eval.benchmarks == ["word_problems_val", "gsm8k"]
     with pytest.raises(RecipeError, match=r"grpo.engine.dtype: .bf16. is not one of .*did you mean bfloat16"):
         load_recipe("demo", ["grpo.engine.dtype=bf16"])
     bad = tmp_path / "bad.yaml"
