@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -58,6 +59,17 @@ def fail(key: str, message: str):
 def did_you_mean(name: str, known) -> str:
     close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+def check_output_dir(output_dir: str) -> None:
+    """A run's folder, refused where a run's outputs would mix with other files: empty (the working directory), or
+    the working directory or a folder above it (where ``--redo`` would move the checkout's own folders aside)."""
+    if not output_dir.strip():
+        fail("output_dir", "empty: the run would be written into the working directory; name a folder of its own")
+    here, where = Path.cwd().resolve(), Path(output_dir).expanduser().resolve()
+    if where == here or where in here.parents:
+        fail("output_dir", f"{output_dir!r} is the working directory or a folder above it ({here}); a run needs a "
+             "folder of its own (e.g. runs/<name>)")
 
 
 def check_scheduler(section: str, scheduler: str) -> None:
@@ -212,7 +224,7 @@ class RewardConfig:
     overlong: float = bounded(0.0, ge=0)
     overlong_cache: int = bounded(4096, ge=0)
     strict_boxed: bool = True  # only a boxed answer earns accuracy (false: the last stated answer too, which GRPO learned to game)
-    timeout: float = bounded(5.0, gt=0)  # seconds per answer; at 0 every answer would score 0
+    timeout: float = bounded(5.0, ge=0.1)  # seconds per answer; below it every answer timed out and scored 0
     workers: int | None = bounded(None, ge=1)
 
 
@@ -329,6 +341,9 @@ class EvalStageConfig:
         if not self.enabled:
             return
         known = ("last", "initial", "align", "distill", "grpo")
+        if not self.models:
+            fail("eval.models", "names no model to score; give at least one of "
+                 f"{list(known)}, or disable the stage with eval.enabled=false")
         for name in self.models:
             if name not in known:
                 fail("eval.models", f"{name!r} is not one of {list(known)}" + did_you_mean(str(name), known))
@@ -444,6 +459,10 @@ class Recipe:
         """Each section checks itself (:meth:`check`, given the whole recipe where a check reads another section);
         an error names ``where`` (the file and overrides), the key and what would work."""
         try:
+            check_output_dir(self.output_dir)
+            if self.storage is not None and not self.storage.strip():
+                fail("storage", "empty (it would store models under the working directory); give a folder or a "
+                     "pyarrow.fs URI, or leave it out")
             if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_id):
                 fail("run_id", f"letters, digits, '.', '_' and '-' only (it names a folder in storage), got "
                      f"{self.run_id!r}")
@@ -481,9 +500,11 @@ def _convert(value, tp, key: str, where: str):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, float) and not math.isfinite(value):  # .inf epochs, timeouts: late crashes
+        raise RecipeError(f"{where}: {key}: must be a finite number, got {value}")
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise RecipeError(f"{where}: {key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")

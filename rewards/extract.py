@@ -24,7 +24,9 @@ MAX_ANSWER_CHARS = 4096
 FALLBACK_TAIL_CHARS = 2048  # what math-verify's own extraction sees of a completion without box or phrase
 PHRASE_WINDOW_CHARS = 8192  # without a box, answer phrases are looked for at the end of the completion
 _PHRASES = re.compile(
-    r"(?:final answer|the answer)\s*(?:is|:)\s*(?P<a>[^\n]{1,300})|^\s*answer\s*:\s*(?P<b>[^\n]{1,300})",
+    # horizontal space only before a line's "answer": ``^\s*`` at every line start ran over the newlines that follow
+    # and back, quadratic in a run of blank lines (200k of them took over a minute)
+    r"(?:final answer|the answer)\s*(?:is|:)\s*(?P<a>[^\n]{1,300})|^[ \t]*answer\s*:\s*(?P<b>[^\n]{1,300})",
     re.IGNORECASE | re.MULTILINE,
 )
 _HOPE = re.compile(r"\s*I hope it is correct\b.*$", re.IGNORECASE | re.DOTALL)

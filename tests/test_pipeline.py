@@ -270,6 +270,13 @@ def test_a_data_mix_adds_each_sources_rows_with_its_own_fields(tmp_path):
     ("distill.teacher_kl=0.5", "distill.teacher_kl"),  # no converted Transformer to learn from
     ("align.lr_scheduler=cosin", "align.lr_scheduler"),
     ("align.train=none", "align.train"),
+    ("output_dir=", "output_dir"),  # the working directory: --redo eval moved the checkout's eval/ package aside
+    ("output_dir=.", "output_dir"),
+    ("storage=", "storage"),  # models stored under the working directory
+    ("eval.models=[]", "eval.models"),  # nothing scored, "done"
+    ("grpo.rewards.timeout=1e-9", "grpo.rewards.timeout"),  # every answer timed out and scored 0
+    ("grpo.temperature=.inf", "grpo.temperature"),  # sampled uniformly
+    ("distill.epochs=.inf", "distill.epochs"),  # an OverflowError after loading
 ])
 def test_values_that_cannot_work_are_refused_when_the_recipe_loads(override, key):
     """Checked before anything runs, with the file and the key in the message (each of these used to be
@@ -760,3 +767,24 @@ def test_deterministic_recipes_train_with_deterministic_algorithms(tmp_path):
         torch.use_deterministic_algorithms(False)
         os.environ.clear()
         os.environ.update(environment)
+
+
+def test_a_stage_resumed_from_its_last_checkpoint_trains_no_step_past_the_end(tmp_path):
+    """Killed after saving its last checkpoint (here: its final model removed), a re-run finishes from that checkpoint
+    with the steps asked for (transformers trained one more: 3 of max_steps=2); and a GRPO whose data is smaller than
+    one generation batch is refused (it trained nothing and was marked done)."""
+    import json
+    import shutil
+
+    from pipeline.checkpoints import DONE
+    from pipeline.run import run_recipe
+
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", "distill.max_steps=2", "distill.save_steps=2",
+                                  "distill.data.max_samples=64", "distill.batch_size=8"])
+    run_recipe(recipe, ("distill",))
+    shutil.rmtree(tmp_path / "distill" / "final")
+    run_recipe(recipe, ("distill",))
+    assert json.loads((tmp_path / "distill" / "final" / DONE).read_text())["global_step"] == 2
+    small = load_recipe("demo", [f"output_dir={tmp_path / 'g'}", "grpo.data.max_samples=3", "grpo.steps=2"])
+    with pytest.raises(Exception, match=r"grpo.data: 3 prompts, fewer than one generation batch"):
+        run_recipe(small, ("grpo",))

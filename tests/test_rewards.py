@@ -219,3 +219,14 @@ def test_workers_die_with_a_killed_caller(tmp_path):
         time.sleep(0.2)
     os.kill(worker, 9)
     pytest.fail("the verifier worker outlived its killed caller by 10 s")
+
+
+@pytest.mark.timeout(30)
+def test_answer_extraction_is_linear_in_blank_lines():
+    """A box followed by 200k newlines (or lines that start like an answer phrase): the answer-phrase search ran
+    ``^\\s*answer`` from every line start over every newline after it, over a minute for this input; a completion
+    must cost a bounded time anywhere in reward and scoring."""
+    from rewards.extract import extract
+
+    assert extract("\\boxed{7}" + "\n" * 200_000).answer == "7"
+    assert extract("\\boxed{7}" + "answer\n" * 100_000 + "answer: 8").answer == "8"

@@ -12,6 +12,9 @@ import time
 import warnings
 from pathlib import Path
 
+from transformers import TrainerState
+from transformers.trainer_utils import TrainOutput
+
 from common.files import atomic_write
 
 from ..checkpoints import DONE, CheckpointMarker, is_done, resume_point, save_final, writing
@@ -151,8 +154,16 @@ def fit(stage: str, recipe: Recipe, out_dir: Path, trainer):
     resume = resume_point(recipe.stored_at(stage, "checkpoints"), out_dir)
     if resume is not None:
         logger.info("%s: resuming from %s", stage, resume)
+        state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
+        if 0 < trainer.args.max_steps <= state.global_step:  # transformers would train one step past the end
+            trainer._load_from_checkpoint(str(resume))  # the weights (under FSDP: the shards) as train() loads them
+            trainer.state = state
+            result = TrainOutput(state.global_step, None, {})  # its mean loss went unrecorded when it was killed
+            return result, trainer.accelerator.get_state_dict(trainer.model)
     with writing(Path(out_dir) / "checkpoints"):  # a checkpoint that could not be written: where, and the room left
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if trainer.state.global_step == 0:  # a finished stage that trained nothing would hand the next its input
+        raise RuntimeError(f"{stage}: trained no optimizer step: its data holds fewer rows than one step takes")
     return result, trainer.accelerator.get_state_dict(trainer.model)
 
 

@@ -359,6 +359,9 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     fsdp = uses_fsdp(recipe, model, device, world()[1])
     dataset = prompt_dataset(recipe.grpo.data, recipe.prompt_instruction)
+    if len(dataset) < recipe.grpo.prompts_per_batch:  # TRL's sampler then yields no batch: no step, marked done
+        raise RecipeError(f"grpo.data: {len(dataset)} prompts, fewer than one generation batch "
+                          f"(grpo.prompts_per_batch={recipe.grpo.prompts_per_batch})")
     timer = Timer()
     verifier = MathVerifier(pool=VerifierPool(num_workers=recipe.grpo.rewards.workers,
                                               timeout=recipe.grpo.rewards.timeout),
