@@ -74,17 +74,23 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     recipe = load_recipe(recipe_name) if recipe_name else Recipe()
     dataset = sft_dataset(DataSpec(source=data), recipe.prompt_instruction)
     dataset = dataset.select(range(min(first, len(dataset))))
+    if first < 1:
+        raise ValueError(f"--first {first}: score at least one record")
     where = resolve_device(device)
-    tokenizer, results = None, []
+    results, vocabularies = [], set()
     for name in models:
         path = local_model(name)
-        if tokenizer is None:  # one tokenizer for all: the first model's (converted models keep their source's)
-            tokenizer = load_tokenizer(None, path)
+        tokenizer = load_tokenizer(None, path)  # each model its own: another's ids would be noise to it
+        vocabularies.add(hash(frozenset(tokenizer.get_vocab().items())))
         model = load_pretrained(path, torch.float32)
         results.append(completion_loss(model, tokenizer, dataset, where, name))
         del model
-    table = markdown(results, results[0].loss if len(results) > 1 and math.isfinite(results[0].loss) else None)
+    # losses per token compare only over one tokenizer's tokens
+    comparable = len(results) > 1 and len(vocabularies) == 1 and math.isfinite(results[0].loss)
+    table = markdown(results, results[0].loss if comparable else None)
     text = f"Assistant-token loss on the first {len(dataset)} records of `{data}` (device {where}):\n\n{table}\n"
+    if len(vocabularies) > 1:
+        text += "\nThe models' tokenizers differ: each loss is per token of its own tokenizer, not comparable.\n"
     if out:
         Path(out).write_text(text)
     return text

@@ -240,6 +240,18 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
                  "--out", str(table)]) == 0
     rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][2:]  # after header, rule
     assert len(rows) == 2 and rows[0].endswith("| 1.00 |") and str(path) in rows[0]
+    # a model of another tokenizer (the demo's characters) is read with its own, and no ratio is drawn across them
+    # (it was read through the first model's: a loss of 4.389 reported without a word)
+    from pipeline.run import run_recipe as run_demo
+
+    other = tmp_path / "char"
+    run_demo(load_recipe("demo", [f"output_dir={other}", "distill.max_steps=1", "distill.data.max_samples=16",
+                                  "distill.batch_size=8"]), ("distill",))
+    assert main(["loss", str(path), str(other / "distill" / "final"), "--first", "3", "--device", "cpu",
+                 "--out", str(table)]) == 0
+    text = table.read_text()
+    assert "x first" not in text and "tokenizers differ" in text
+    assert main(["loss", str(path), "--first", "0", "--device", "cpu"]) == 2
 
 
 def make_wheel(folder: Path, package: str, version: str, files: dict[str, bytes]) -> Path:
