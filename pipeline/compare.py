@@ -102,6 +102,9 @@ def read_run(label: str, folder: Path) -> Run:
     for path in sorted(folder.rglob("summary.json")):
         if ".replaced-" in str(path.relative_to(folder)):  # outputs a --redo moved aside
             continue
+        if any((parent / "report.md").exists() for parent in path.parents if parent != folder
+               and parent.is_relative_to(folder)):  # another run (a kept copy) inside this one: not its evaluation
+            continue
         summary = json.loads(path.read_text())
         model = summary.get("model") or ""
         run.evaluations.append(Evaluation(stage_of(model, path.parent, folder), summary.get("benchmarks", {}), model))

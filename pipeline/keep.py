@@ -47,6 +47,9 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
     run, dest = Path(run), Path(dest)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run folder")
+    inside = dest.resolve().is_relative_to(run.resolve()) or run.resolve().is_relative_to(dest.resolve())
+    if inside:  # a copy inside the run (or the run inside it) nests, and compare would read its summaries twice
+        raise ValueError(f"{dest}: inside the run {run} (or around it); keep it in a folder of its own")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise FileExistsError(f"{dest}: exists and is not an empty folder; keep writes a new one")
     files = kept_files(run)

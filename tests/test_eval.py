@@ -604,6 +604,12 @@ def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tm
     (tmp_path / "empty").mkdir()
     assert main(["keep", str(tmp_path / "empty"), str(tmp_path / "kept" / "empty")]) == 2
     assert "nothing to keep" in capsys.readouterr().err and not (tmp_path / "kept" / "empty").exists()
+    # a copy inside the run nested, and compare then read one evaluation twice; compare of one run twice pooled it
+    assert main(["keep", str(run), str(run / "kept")]) == 2 and "inside the run" in capsys.readouterr().err
+    assert main(["compare", str(run), str(run), "--out", str(tmp_path / "cmp")]) == 2
+    assert "given twice" in capsys.readouterr().err
+    shutil.copytree(dest, run / "old-copy")  # a kept copy put inside a run by hand: not the run's own evaluation
+    assert len(read_run("a", run).evaluations) == len(original.evaluations)
 
 
 def test_compare_pairs_one_model_scored_by_two_evaluations(tmp_path):
