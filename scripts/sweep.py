@@ -114,7 +114,9 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
                   f"{(shown - start) / 60:.1f} min", flush=True)
         while waiting and len(procs) < parallel:
             name = waiting.pop(0)
-            log = (out / f"{name}.log").open("w")
+            log = (out / f"{name}.log").open("a")  # a re-run resumes: its log follows the first run's
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(runs[name])}\n")
+            log.flush()
             own = env
             if gpus:
                 placed[name] = least_busy(gpus, [placed[n] for n in procs])
@@ -229,12 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shared {args.shared}: {' '.join(first[3:])}", flush=True)
         start = time.time()
         env = {**os.environ, **RUN_ENV, **({"CUDA_VISIBLE_DEVICES": args.gpus[0]} if args.gpus else {})}
-        with (args.out / "shared.log").open("w") as log:
+        with (args.out / "shared.log").open("a") as log:
             code = subprocess.run(first, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if code:
             print(f"shared {args.shared} failed ({code}): see {args.out / 'shared.log'}", file=sys.stderr)
             return code
         print(f"shared {args.shared}: done in {time.time() - start:.0f} s", flush=True)
+    if args.parallel is not None and args.parallel < 1:  # nothing would ever start: the loop waited forever
+        parser.error(f"--parallel {args.parallel}: at least 1")
     parallel = args.parallel or len(runs)
     print(f"{len(runs)} variants, {parallel} at a time{f' on GPUs {args.gpus}' if args.gpus else ''}: "
           f"{', '.join(runs)}", flush=True)

@@ -108,3 +108,14 @@ def test_each_variant_runs_on_the_gpu_it_was_given(tmp_path):
     logged = [(tmp_path / f"{name}.log").read_text().strip() for name in runs]
     assert logged == [results[name]["gpu"] for name in runs]
     assert sorted(logged) == ["0", "0", "3", "3"]
+
+
+def test_a_parallel_below_one_is_refused_and_logs_are_appended(tmp_path, capsys):
+    """``--parallel -1`` started nothing and waited forever; a re-run of the sweep (resuming) wrote over the logs."""
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", str(tmp_path), "--variant", "a", "distill.max_steps=1", "--parallel", "-1"])
+    assert "--parallel -1: at least 1" in capsys.readouterr().err
+    runs = {"x": [sys.executable, "-c", "print('run')"]}
+    for _ in range(2):
+        _run_all(runs, tmp_path, 1)
+    assert (tmp_path / "x.log").read_text().count("run\n") == 2
