@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
     loss.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     loss.add_argument("--out", default=None, help="also write the markdown table here")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # overrides anywhere, after --checkpoint too (Hydra-style): argparse takes positionals before the options only
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "loss":
         from .lm_loss import main as loss_main
 
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import compare as write_comparison
 
         try:
-            print(write_comparison(args.runs, args.out))
+            print(f"wrote {write_comparison(args.runs, args.out)} (and compare.png beside it)")
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -163,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
 
     stages = STAGES if args.command in ("run", "demo") else (args.command,)
     overrides = [*args.overrides, *([f"ray.num_gpus={args.gpus}"] if getattr(args, "gpus", None) is not None else [])]
+    import signal
+
+    def stop(signum, frame):  # SIGTERM (a scheduler's kill) ends the run as Ctrl-C does: in one line, resumable
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         recipe = load_recipe("demo" if args.command == "demo" else args.recipe, overrides)
         report = run_recipe(recipe, stages, address=args.address, checkpoint=getattr(args, "checkpoint", None),
@@ -170,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, RunLockedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nstopped; the same command resumes from the last complete checkpoint", file=sys.stderr)
+        return 130
     except Exception as err:  # a stage failed: its cause in one line (Ray wraps it in a long traceback)
         if args.verbose:
             raise

@@ -253,7 +253,7 @@ def trainer_options(recipe, stage_config, config_cls, out_dir, device: torch.dev
         gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=autocast_bf16(recipe, device),
         use_cpu=device.type == "cpu",
-        report_to=["tensorboard"],
+        report_to=list(recipe.report_to),
         seed=recipe.seed,
         data_seed=recipe.seed,
         full_determinism=recipe.deterministic,

@@ -322,7 +322,7 @@ class EvalStageConfig:
     repeats: int | None = bounded(32, ge=1)  # samples per problem; None: each benchmark's default
     temperature: float = bounded(1.0, ge=0)
     top_p: float = bounded(0.7, gt=0, le=1)
-    max_new_tokens: int = bounded(32768, ge=1)
+    max_new_tokens: int = bounded(32768, ge=1, le=2**20)
     max_prompt_length: int = bounded(2048, ge=1)
     long_prompts: str = bounded("skip", choices=("skip", "truncate"))  # a problem over max_prompt_length
     limit: int | None = bounded(None, ge=1)  # the first ``limit`` problems of each benchmark
@@ -427,6 +427,9 @@ class Recipe:
     # order the GPU finishes them); it may cost speed, so off by default. Changes no stage's result in
     # expectation: a re-run may flip it
     deterministic: bool = False
+    # experiment trackers of the training stages, as transformers names them (tensorboard, wandb, mlflow, trackio...;
+    # wandb offline: WANDB_MODE=offline in ray.runtime_env.env_vars or the environment)
+    report_to: list = field(default_factory=lambda: ["tensorboard"])
     # how data-parallel training workers hold the model: ddp (a whole copy each, gradients all-reduced) or fsdp
     # (FSDP2 through accelerate: parameters, gradients and optimizer state sharded over the workers, gathered a
     # layer at a time); auto: fsdp where one copy's training state would not fit a GPU (pipeline/models.py)
@@ -460,6 +463,12 @@ class Recipe:
         an error names ``where`` (the file and overrides), the key and what would work."""
         try:
             check_output_dir(self.output_dir)
+            from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+            for tracker in self.report_to:
+                if tracker not in INTEGRATION_TO_CALLBACK and tracker != "none":
+                    fail("report_to", f"{tracker!r} is not one of {sorted(INTEGRATION_TO_CALLBACK)}"
+                         + did_you_mean(str(tracker), INTEGRATION_TO_CALLBACK))
             if self.storage is not None and not self.storage.strip():
                 fail("storage", "empty (it would store models under the working directory); give a folder or a "
                      "pyarrow.fs URI, or leave it out")
@@ -523,8 +532,13 @@ def _convert(value, tp, key: str, where: str):
     return value
 
 
-# keys a recipe no longer takes, and what replaced them
-REMOVED = {"gradient_accumulation_steps": "the accumulation follows from batch_size (rows per optimizer step, all "
+# keys a recipe does not take (no longer, or named otherwise than TRL names them), and what to write instead
+REMOVED = {"max_steps": "the GRPO section counts optimizer steps in `steps` (TRL's max_steps)",
+           "num_train_epochs": "distillation counts them in `epochs`",
+           "per_device_train_batch_size": "a section's `micro_batch_size` (rows one worker runs through a forward; "
+                                          "`batch_size` is the whole optimizer step's)",
+           "report_to": "the recipe's top-level `report_to`",
+           "gradient_accumulation_steps": "the accumulation follows from batch_size (rows per optimizer step, all "
                                          "workers together), micro_batch_size (rows per forward on one worker) and "
                                          "the workers the run has (pipeline/placement.py)"}
 
@@ -536,8 +550,8 @@ def build(cls, data: dict, where: str, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names and key in REMOVED:
-            raise RecipeError(f"{where}: {path}: no longer a recipe key: {REMOVED[key]}")
+        if key not in names and key in REMOVED and not (key == "max_steps" and prefix != "grpo"):
+            raise RecipeError(f"{where}: {path}: not a recipe key: {REMOVED[key]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
@@ -575,7 +589,8 @@ def resolve_recipe_path(name: str) -> Path:
             return candidate
     available = sorted(p.stem if p.suffix else p.name for p in RECIPES_DIR.iterdir() if p.name != "__init__.py"
                        and not p.name.startswith("_"))
-    raise RecipeError(f"recipe {name!r} not found (not a file; built-in recipes: {available})")
+    raise RecipeError(f"recipe {name!r} not found (not a file; built-in recipes: {available})"
+                      + did_you_mean(name, available))
 
 
 def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

@@ -7,6 +7,7 @@ one. A stage whose ``final/`` model exists is skipped; an unfinished stage resum
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -122,6 +123,28 @@ def preflight(recipe: Recipe, stages: tuple[str, ...]) -> None:
         check_writable(recipe.storage)
 
 
+def check_checkpoint(recipe: Recipe, out: Path, stages: tuple[str, ...], checkpoint: str | None,
+                     redo: tuple[str, ...]) -> None:
+    """A ``--checkpoint`` that exists (checked before Ray starts; a missing one left a record of the bad path), and
+    that a finished first stage started from: another one on a finished stage was skipped without a word."""
+    from .storage import is_stored
+
+    if checkpoint is None:
+        return
+    if not is_stored(checkpoint) and not (Path(checkpoint) / "config.json").exists():
+        raise RecipeError(f"--checkpoint {checkpoint}: no model there (no config.json)")
+    first = next((s for s in stages if stage_runs(recipe, s)), None)
+    record = out / str(first) / "started_from.json"
+    if first in (None, "eval") or first in redo or not is_done(out / first / "final") or not record.exists():
+        return
+    from .stages.base import model_id
+
+    if json.loads(record.read_text())["model"] != model_id(str(checkpoint)):
+        raise RecipeError(f"--checkpoint {checkpoint}: {first} already finished in {out} from another model "
+                          f"({json.loads(record.read_text())['model']}); --redo {first} to run it from this one, or "
+                          "another output_dir")
+
+
 def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | None = None,
                checkpoint: str | None = None, redo: tuple[str, ...] = ()) -> Path:
     """Runs ``stages`` of ``recipe`` (each consuming the previous one's final model); returns the report.
@@ -133,6 +156,7 @@ def run_recipe(recipe: Recipe, stages: tuple[str, ...] = STAGES, address: str | 
                           f"redo with it (sse-pipeline run ... --redo {extra[0]})")
     preflight(recipe, stages)
     out = Path(recipe.output_dir)
+    check_checkpoint(recipe, out, stages, checkpoint, redo)
     with RunLock(out):
         redone = False  # a stage run again makes every later stage stale: they run again too
         for stage in stages:  # every refusal before anything starts

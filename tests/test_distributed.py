@@ -297,7 +297,7 @@ def test_config_prints_the_plan_and_removed_keys_name_their_replacement(capsys):
     out = capsys.readouterr().out
     assert "# plan on 4 GPUs:" in out and "16 rows a step = 1 a forward x 4 accumulated x 4 workers" in out
     assert "align" not in out.split("# plan")[1]  # paper-2b converts nothing
-    with pytest.raises(RecipeError, match="distill.gradient_accumulation_steps: no longer a recipe key.*micro_batch_size"):
+    with pytest.raises(RecipeError, match="distill.gradient_accumulation_steps: not a recipe key.*micro_batch_size"):
         load_recipe("paper-2b", ["distill.gradient_accumulation_steps=4"])
     with pytest.raises(RecipeError, match="grpo.weight_sync: broadcast hands the weights to this package's engine"):
         load_recipe("demo", ["grpo.weight_sync=broadcast", "grpo.engine.backend=vllm"])

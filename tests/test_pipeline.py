@@ -427,6 +427,29 @@ def test_cli_version_config_and_recipes(capsys):
     assert "grpo.steps: must be >= 1" in capsys.readouterr().err
 
 
+def test_what_can_be_checked_is_refused_before_ray_starts(tmp_path, capsys):
+    """Each of these used to fail after Ray started (a missing --checkpoint after 28-59 s, leaving a record of the bad
+    path; a missing data file or a malformed benchmark file after training); an override after --checkpoint was
+    refused by argparse; a wrong recipe name got no suggestion."""
+    from pipeline.cli import main
+
+    out = f"output_dir={tmp_path / 'run'}"
+    assert main(["eval", "demo", "--checkpoint", str(tmp_path / "none"), out, "eval.limit=2"]) == 2  # override after
+    assert "--checkpoint" in capsys.readouterr().err and not (tmp_path / "run" / "eval").exists()
+    assert main(["distill", "demo", out, "distill.data.source=missing.jsonl"]) == 2
+    assert "distill.data.source: 'missing.jsonl' is no file" in capsys.readouterr().err
+    bad = tmp_path / "bench.jsonl"
+    bad.write_text('{"id": "a", "problem": "1+1"}\n')
+    assert main(["eval", "demo", out, f"eval.benchmarks=[{bad}]"]) == 2
+    assert "no field 'answer'" in capsys.readouterr().err
+    twin = tmp_path / "x" / "gsm8k.jsonl"  # filed under the same name as the registered gsm8k's generations
+    twin.parent.mkdir()
+    twin.write_text('{"id": "a", "problem": "1+1", "answer": "2"}\n')
+    assert main(["eval", "demo", out, f"eval.benchmarks=[{twin}, gsm8k]"]) == 2
+    assert "share the name 'gsm8k'" in capsys.readouterr().err
+    assert main(["run", "paper2b"]) == 2 and "did you mean paper-2b" in capsys.readouterr().err
+
+
 def test_reward_curve_has_a_panel_per_reward_and_a_moving_average(tmp_path):
     from pipeline.metrics import moving_average, plot_curves
 

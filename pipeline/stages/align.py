@@ -24,7 +24,8 @@ from ..metrics import read_metrics
 from ..models import TRAINING_DTYPE, load_model, load_teacher, trainer_options, training_device
 from ..batching import align_batching
 from ..recipe import Recipe
-from .base import Stage, callbacks, done, finish, fit, hand_on, loss_highlight, record_start, stored, task_setup
+from .base import (Stage, callbacks, check_data_source, done, finish, fit, hand_on, loss_highlight, record_start,
+                   stored, task_setup)
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,10 @@ class AlignStage(Stage):
     """Attention transfer, for a converted model: one process (see :mod:`pipeline.placement`)."""
 
     name = "align"
+
+    def preflight(self, recipe: Recipe) -> None:
+        key = "align.data" if recipe.align.data else "distill.data"  # alignment reads distillation's by default
+        check_data_source(key, recipe.align.data or recipe.distill.data)
 
     def enabled(self, recipe: Recipe) -> bool:
         """A model converted into some SSE layers (a model built otherwise, or converted with every layer kept as

@@ -197,3 +197,13 @@ def check_engine_installed(stage: str, engine) -> None:
         raise RecipeError(f"{stage}.engine.backend: vllm needs vLLM 0.25.1, which is not installed "
                           "(pip install 'sse-pipeline[vllm]', or python -m scripts.vllm_site from a checkout); "
                           "engine.backend: sse is this package's engine")
+
+
+def check_data_source(key: str, spec) -> None:
+    """A data source that names a file (a path, or a JSONL / JSON / parquet name) must exist before anything starts
+    (it failed once the stage had loaded its model); hub names and builtins are checked when they load."""
+    for i, source in enumerate([spec.source, *(m.source for m in spec.mix)]):
+        where = key if i == 0 else f"{key}.mix[{i - 1}]"
+        looks_like_file = source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet"))
+        if not source.startswith("builtin:") and looks_like_file and not Path(source).expanduser().exists():
+            raise RecipeError(f"{where}.source: {source!r} is no file (from {Path.cwd()})")

@@ -22,7 +22,8 @@ from ..models import (TRAINING_DTYPE, fsdp_precision, load_model, load_teacher, 
                       uses_fsdp)
 from ..batching import distill_batching
 from ..recipe import Recipe
-from .base import Stage, callbacks, done, finish, fit, hand_on, loss_highlight, record_start, stored, task_setup
+from .base import (Stage, callbacks, check_data_source, done, finish, fit, hand_on, loss_highlight, record_start,
+                   stored, task_setup)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class DistillStage(Stage):
     """Supervised distillation, data-parallel over the plan's workers (one per GPU)."""
 
     name = "distill"
+
+    def preflight(self, recipe: Recipe) -> None:
+        check_data_source("distill.data", recipe.distill.data)
 
     def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str:
         import ray

@@ -73,7 +73,8 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     else:
         backend = HFGenerateBackend(model, tokenizer)
     # what a model costs before its first token (the per-model overhead of evaluating several), in the run's log
-    print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {time.perf_counter() - loaded:.1f} s",
+    ready = time.perf_counter() - loaded
+    print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {ready:.1f} s",
           flush=True)
     generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
              instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
@@ -128,7 +129,8 @@ class _Generator:
         task_setup()
         self.served = 0
 
-    def generate(self, recipe: Recipe, out_dir: str, checkpoint: str, workers: int, eval_gpus: float) -> tuple[str, int]:
+    def generate(self, recipe: Recipe, out_dir: str, checkpoint: str, workers: int,
+                 eval_gpus: float) -> tuple[str, int]:
         """Generations of one model; returns the node that holds them (where they are scored) and how many models
         this process has generated for, this one included."""
         import gc
@@ -172,11 +174,24 @@ class EvalStage(Stage):
 
         if recipe.eval.backend == "engine":
             check_engine_installed("eval", recipe.eval.engine)
+        from eval.benchmarks import load_problems
+
+        stems = {}
         for name in recipe.eval.benchmarks:
             looks_like_file = name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json", ".parquet"))
             if name not in BENCHMARKS and looks_like_file and not Path(name).expanduser().exists():
                 raise RecipeError(f"eval.benchmarks: {name!r} is no file (from {Path.cwd()}) and no registered "
                                   f"benchmark ({sorted(BENCHMARKS)})")
+            if name in BENCHMARKS or Path(name).expanduser().exists():  # a bad file is named now, not after training
+                try:
+                    load_problems(str(Path(name).expanduser()) if name not in BENCHMARKS else name)
+                except ValueError as error:
+                    raise RecipeError(f"eval.benchmarks: {error}") from None
+            stem = Path(name).stem  # generations are filed by it
+            if stem in stems:
+                raise RecipeError(f"eval.benchmarks: {stems[stem]!r} and {name!r} share the name {stem!r}, under which "
+                                  "their generations would be filed; rename one file")
+            stems[stem] = name
 
     def scored(self, recipe: Recipe, stage_dir: Path) -> bool:
         """Whether every model of ``eval.models`` has its summary (the stage is done)."""

@@ -43,8 +43,8 @@ from ..batching import grpo_batching
 from ..packing import packed_logps
 from ..placement import GRPOPlacement
 from ..recipe import MAX_SAMPLING_ROUNDS, Recipe, RecipeError
-from .base import (Stage, callbacks, check_engine_installed, done, finish, fit, hand_on, initial_checkpoint,
-                   record_start, stored, task_setup)
+from .base import (Stage, callbacks, check_data_source, check_engine_installed, done, finish, fit, hand_on,
+                   initial_checkpoint, record_start, stored, task_setup)
 from ..rollout import SamplingParams
 from .rollout_batch import concat_batches, engine_correction, informative_groups, select_groups
 
@@ -345,7 +345,8 @@ def _write_engines(out_dir: Path, fleet) -> list[dict]:
     engines = fleet.get_stats()
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = world()[0]  # each data-parallel worker owns its engines
-    (out_dir / ("engines.json" if rank == 0 else f"engines-worker{rank}.json")).write_text(json.dumps(engines, indent=1))
+    name = "engines.json" if rank == 0 else f"engines-worker{rank}.json"
+    (out_dir / name).write_text(json.dumps(engines, indent=1))
     return engines
 
 
@@ -450,6 +451,7 @@ class GRPOStage(Stage):
 
     def preflight(self, recipe: Recipe) -> None:
         check_engine_installed("grpo", recipe.grpo.engine)
+        check_data_source("grpo.data", recipe.grpo.data)
 
     def check_plan(self, recipe: Recipe, plan) -> None:
         """Refuses a ``grpo.weight_sync`` the run's placement cannot serve."""
