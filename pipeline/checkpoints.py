@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .storage import fetch_latest_checkpoint, store_checkpoint
+from .storage import fetch_latest_checkpoint, inventory, sha256_file, store_checkpoint
 
 DONE = "stage_done.json"
 COMPLETE = "checkpoint_complete.json"
@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointMarker(TrainerCallback):
-    """Writes ``checkpoint_complete.json`` (every file and its size) into a checkpoint once every data-parallel
-    worker has finished saving it: a resume trusts only checkpoints whose files are all there at those sizes. With
+    """Writes ``checkpoint_complete.json`` (every file, its size and SHA-256) into a checkpoint once every data-parallel
+    worker has finished saving it: a resume trusts only checkpoints whose files are all there with those contents
+    (a file damaged in place, same size, resumed silently when only sizes were kept). With
     ``store`` (a storage URI, :mod:`pipeline.storage`) the finished checkpoint is also stored there, the newest
     ``args.save_total_limit`` kept. Given to every worker: each writes files of its own (its RNG state, FSDP's
     shards), which the first worker collects (:func:`collect_worker_files`) before it marks the checkpoint."""
@@ -36,10 +37,9 @@ class CheckpointMarker(TrainerCallback):
         if not state.is_world_process_zero:
             return
         if folder.is_dir():
-            sizes = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                     if p.is_file() and p.name != COMPLETE}
+            files = {name: entry for name, entry in inventory(folder).items() if not name.endswith(COMPLETE)}
             tmp = folder / f".{COMPLETE}.tmp"
-            tmp.write_text(json.dumps(sizes, indent=1))
+            tmp.write_text(json.dumps(files, indent=1))
             os.replace(tmp, folder / COMPLETE)
             if self.store is not None:
                 store_checkpoint(folder, self.store, args.save_total_limit)
@@ -74,13 +74,22 @@ def collect_worker_files(folder: Path) -> None:
 
 
 def _broken_file(folder: Path) -> str | None:
-    """The first file of a checkpoint that is missing or cut short, or None if it looks whole."""
+    """The first file of a checkpoint that is missing, cut short or changed, or None if it is whole."""
     marker = folder / COMPLETE
+    for name in ("trainer_state.json", "config.json", COMPLETE):  # a JSON file that does not parse fails every resume
+        if (folder / name).exists():
+            try:
+                json.loads((folder / name).read_text())
+            except (ValueError, UnicodeDecodeError):
+                return f"{folder / name} (not JSON)"
     if marker.exists():
-        for name, size in json.loads(marker.read_text()).items():
+        for name, entry in json.loads(marker.read_text()).items():
+            size, digest = entry if isinstance(entry, list) else (entry, None)  # markers of older runs: sizes only
             path = folder / name
             if not path.exists() or path.stat().st_size != size:
                 return f"{path} ({'missing' if not path.exists() else f'{path.stat().st_size} of {size} bytes'})"
+            if digest is not None and sha256_file(path) != digest:
+                return f"{path} (its contents changed since it was saved)"
         return None
     if not (folder / "trainer_state.json").exists():  # written last by transformers' Trainer
         return f"{folder / 'trainer_state.json'} (missing)"

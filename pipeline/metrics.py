@@ -89,11 +89,24 @@ class MetricsLogger(TrainerCallback):
         with self.path.open("a") as handle:
             handle.write(json.dumps(record, default=float) + "\n")
         if state.max_steps and "time/step_s" in record:  # a progress line with rate and ETA, in any console
-            left = (state.max_steps - state.global_step) * record["time/step_s"]
-            logger.info("%s: step %d/%d, %.2f s/step, ETA %s%s", self.path.parent.name, state.global_step,
-                        state.max_steps, record["time/step_s"], time.strftime("%H:%M:%S", time.gmtime(left)),
-                        f", loss {logs['loss']:.4g}" if "loss" in logs else "")
+            print(progress_line(self.path.parent.name, state, record), flush=True)  # (Ray forwards a worker's stdout)
+        if record.get("frac_reward_zero_std") == 1.0 or record.get("dynamic_sampling/informative_fraction") == 0:
+            print(f"{self.path.parent.name}: step {state.global_step}: no group's rewards varied, so this step's "
+                  "advantages are all zero and it learned nothing (every sample right, or every one wrong)", flush=True)
         self._last, self._last_step = now, state.global_step
+
+
+def progress_line(stage: str, state, record: dict) -> str:
+    """``distill: step 40/120 (33%), 2.31 s/step, ETA 00:03:04, loss 0.812``; GRPO's with its reward and rollout rate
+    (the trainer's own log is a dict of some forty metrics a step)."""
+    left = (state.max_steps - state.global_step) * record["time/step_s"]
+    parts = [f"{stage}: step {state.global_step}/{state.max_steps} ({100 * state.global_step / state.max_steps:.0f}%)",
+             f"{record['time/step_s']:.2f} s/step", f"ETA {time.strftime('%H:%M:%S', time.gmtime(left))}"]
+    for key, name, form in (("loss", "loss", ".4g"), ("reward", "reward", ".3f"),
+                            ("tokens/generated_per_s", "generated tok/s", ",.0f")):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{name} {record[key]:{form}}")
+    return ", ".join(parts)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from transformers import TrainerState
+from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import TrainOutput
 
 from common.files import atomic_write
@@ -151,6 +152,8 @@ def callbacks(recipe: Recipe, stage: str, out_dir: Path, timer=None) -> list:
 def fit(stage: str, recipe: Recipe, out_dir: Path, trainer):
     """Trains from the newest complete checkpoint (a stored one fetched first); returns the trainer's result and the
     final weights, gathered on every worker (under FSDP a collective: every worker must call it)."""
+    if trainer.args.disable_tqdm:  # in a Ray worker: MetricsLogger's one line a step, not the trainer's dict of logs
+        trainer.remove_callback(PrinterCallback)
     resume = resume_point(recipe.stored_at(stage, "checkpoints"), out_dir)
     if resume is not None:
         logger.info("%s: resuming from %s", stage, resume)
