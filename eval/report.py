@@ -156,16 +156,22 @@ def plot(summary: dict, path: Path) -> None:
     left.set_ylabel("headline avg@n accuracy (%)")
     left.set_title("Accuracy per benchmark (95% bootstrap CI)")
     left.tick_params(axis="x", rotation=30)
+    if max(benches[n]["repeats"] for n in names) < 2:  # one sample a problem: pass@k is one point, no curve
+        right.text(0.5, 0.5, "pass@k needs more than one sample a problem", ha="center", va="center",
+                   transform=right.transAxes)
+        right.set_axis_off()
+        names = []
     for name in names:
         ks = sorted(int(k) for k in benches[name]["pass@k"])
         values = [100 * benches[name]["pass@k"].get(k, benches[name]["pass@k"].get(str(k))) for k in ks]
         right.plot(ks, values, marker="o", label=name)
-    right.set_xscale("log", base=2)
-    right.set_ylim(0, 105)
-    right.set_xlabel("k")
-    right.set_ylabel("pass@k (%)")
-    right.set_title("pass@k")
-    right.legend(fontsize=8)
+    if names:
+        right.set_xscale("log", base=2)
+        right.set_ylim(0, 105)
+        right.set_xlabel("k")
+        right.set_ylabel("pass@k (%)")
+        right.set_title("pass@k")
+        right.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

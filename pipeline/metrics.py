@@ -132,6 +132,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+# readable titles of the logged keys a figure shows
+CURVE_TITLES = {"loss": "training loss", "ce": "cross-entropy", "teacher_kl": "KL to the teacher",
+                "balance_loss": "partition-balance loss", "learning_rate": "learning rate", "grad_norm": "gradient norm",
+                "reward": "reward (weighted sum)", "completions/mean_length": "completion length (tokens)",
+                "time/step_s": "seconds per step"}
+
+
 def plot_curves(metrics_path: Path, png_path: Path, keys: list[str], title: str) -> Path | None:
     """One panel per metric key found in the log, against the training step, with a moving average over a
     tenth of the steps. A key ending in ``*`` stands for every logged key with that prefix (e.g.
@@ -152,8 +159,12 @@ def plot_curves(metrics_path: Path, png_path: Path, keys: list[str], title: str)
     keys = list(dict.fromkeys(expanded))
     if not keys:
         return None
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    columns = min(3, len(keys))  # a grid, not a row of tiny panels
+    grid_rows = -(-len(keys) // columns)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.4 * columns, 3.3 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         points = sorted({r["step"]: r[key] for r in rows if key in r and isinstance(r[key], (int, float))}.items())
         steps, values = [p[0] for p in points], [p[1] for p in points]
         ax.plot(steps, values, marker=".", alpha=0.4 if len(points) >= 5 else 1.0, label="per step")
@@ -162,7 +173,7 @@ def plot_curves(metrics_path: Path, png_path: Path, keys: list[str], title: str)
             ax.plot(steps, moving_average(values, window), linewidth=2, label=f"mean of {window}")
             ax.legend(fontsize=7)
         ax.set_xlabel("step")
-        ax.set_title(key, fontsize=9)
+        ax.set_title(CURVE_TITLES.get(key, key.removesuffix("/mean").replace("rewards/", "reward: ")), fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

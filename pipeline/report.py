@@ -26,10 +26,25 @@ def time_split(rows: list[dict]) -> list[str]:
             f"| {len(rows)} | {mean['step']:.2f} | {cells} | {rate_text} |", ""]
 
 
+def starting(recipe: Recipe, out: Path) -> str:
+    """The model the run's first stage started from: the record of a stage started elsewhere, else the recipe's."""
+    import json
+
+    for stage in STAGES:
+        record = out / stage / "started_from.json"
+        if record.exists():
+            return f"`{json.loads(record.read_text())['model']}` ({stage})"
+    m = recipe.model
+    return (f"`{m.path}`" if m.path else f"the preset {m.preset} (random weights)" if m.preset
+            else f"{m.convert_from}, converted")
+
+
 def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path:
     """``report.md`` in ``out``; ``timings``: seconds each stage took in this run."""
-    lines = [f"# {recipe.name}", "", f"Output directory: `{out}`",
-             f"Training precision: {precision_name(recipe, resolve_device(recipe.device))}.", ""]
+    lines = [f"# {recipe.name}", "", f"Output directory: `{out}`", f"Started from: {starting(recipe, out)}."]
+    if any(stage != "eval" for stage in timings):  # an evaluation-only run trained nothing
+        lines.append(f"Training precision: {precision_name(recipe, resolve_device(recipe.device))}.")
+    lines.append("")
     lines += ["| stage | seconds this run | final model | highlights |", "| --- | --- | --- | --- |"]
     for name, stage in STAGES.items():
         stage_dir = out / name
@@ -38,6 +53,9 @@ def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path
         final = stage_dir / "final"
         lines.append(f"| {name} | {timings.get(name, 0.0):.0f} | {'`' + str(final) + '`' if final.exists() else ''} | "
                      f"{stage.highlight(recipe, stage_dir)} |")
+    for stage in ("align", "distill"):
+        if (out / stage / "loss.png").exists():
+            lines += ["", f"![{stage} loss]({stage}/loss.png)"]
     if (out / "eval" / "results.md").exists():
         lines += ["", "## Evaluation", "", (out / "eval" / "results.md").read_text(), "![eval](eval/results.png)"]
     if (out / "grpo" / "reward_curve.png").exists():
