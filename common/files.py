@@ -70,8 +70,12 @@ def read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
                 log.warning("%s:%d: skipped a torn or corrupt line (%d bytes)", path, number, len(line))
     return records
 

@@ -85,9 +85,19 @@ def check_settings(log_path: Path, settings: dict, fresh: bool = False) -> None:
         atomic_write(path, json.dumps(settings, indent=2))
 
 
+GENERATION_FIELDS = ("problem_id", "sample", "text", "num_tokens", "finish_reason")
+
+
 def read_generations(path: Path) -> list[dict]:
-    """Records of a generations file (see :mod:`common.files`)."""
-    return read_jsonl(path)
+    """Records of a generations file (see :mod:`common.files`); a record without a field the scoring reads is an
+    error naming the file and the field (a KeyError out of the scoring before)."""
+    records = read_jsonl(path)
+    for i, record in enumerate(records):
+        missing = [f for f in GENERATION_FIELDS if f not in record]
+        if missing:
+            raise ValueError(f"{path}: record {i + 1} has no {', '.join(missing)}; move the file aside and "
+                             "generate again (the stage resumes from the records that remain)")
+    return records
 
 
 class GenerationLog:

@@ -162,7 +162,7 @@ def is_write_error(error: BaseException) -> bool:
     """Whether a training step failed writing a checkpoint (torch's and the OS's words for it)."""
     text = str(error)
     return isinstance(error, OSError) and error.errno in (28, 122) or any(
-        word in text for word in ("file write failed", "PytorchStreamWriter", "No space left"))
+        word in text for word in ("file write failed", "PytorchStreamWriter", "No space left", "unexpected pos"))
 
 
 @contextmanager

@@ -105,7 +105,7 @@ def read_run(label: str, folder: Path) -> Run:
         if any((parent / "report.md").exists() for parent in path.parents if parent != folder
                and parent.is_relative_to(folder)):  # another run (a kept copy) inside this one: not its evaluation
             continue
-        summary = json.loads(path.read_text())
+        summary = read_json(path, dict)
         model = summary.get("model") or ""
         run.evaluations.append(Evaluation(stage_of(model, path.parent, folder), summary.get("benchmarks", {}), model))
     order = [stage for _, stage in reversed(STAGE_OF_PATH)]  # the pipeline's order; other evaluations last
@@ -113,13 +113,16 @@ def read_run(label: str, folder: Path) -> Run:
     if not run.evaluations:
         raise ValueError(f"{folder}: no evaluation (summary.json) in this run; run its eval stage first")
     recipe = folder / "recipe.yaml"
-    resolved = yaml.safe_load(recipe.read_text()) if recipe.exists() else None
+    try:
+        resolved = yaml.safe_load(recipe.read_text()) if recipe.exists() else None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{recipe}: not YAML ({error})") from None
     borrowed = {}  # training stage -> the model another run made that it started from (--checkpoint)
     for pattern, stage in STAGE_OF_PATH:  # what each training stage started from (pipeline.stages.base.record_start)
         name = pattern.split("/")[1]
         record = folder / name / "started_from.json"
         if pattern.endswith("/final") and record.exists():
-            run.starts[stage] = json.loads(record.read_text())["model"]
+            run.starts[stage] = read_json(record, dict).get("model", "")
             if isinstance(resolved, dict):
                 run.variants[stage] = json.dumps(_settings(resolved, name), sort_keys=True, default=str)
                 if not made_in(run.starts[stage], resolved.get("output_dir", "")):
@@ -147,7 +150,7 @@ def read_run(label: str, folder: Path) -> Run:
     run.tokens_per_s = sum(rates) / len(rates) if rates else None
     engines = folder / "grpo" / "engines.json"
     if engines.exists():
-        run.state_bytes = next(iter(json.loads(engines.read_text())), {}).get("per_slot_bytes")
+        run.state_bytes = next(iter(read_json(engines, list)), {}).get("per_slot_bytes")
     return run
 
 
@@ -176,6 +179,17 @@ def independent(members: list[tuple["Run", Evaluation]]) -> list[tuple["Run", Ev
             kept.append((run, e))
             seen.add(run.seeds)
     return kept
+
+
+def read_json(path: Path, kind: type):
+    """A file of a run that must hold JSON of ``kind``; a damaged one is an error naming it (not a traceback)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not readable JSON ({error}); restore it or leave the run out") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path}: expected a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def made_in(model: str, output_dir: str) -> bool:

@@ -49,8 +49,9 @@ class RunLock:
                     holder = json.loads(self.path.read_text())
                 except (OSError, ValueError):
                     holder = {}
+                holder = holder if isinstance(holder, dict) else {}  # a file holding [] or a number names no run
                 pid, host = holder.get("pid"), holder.get("host")
-                if not isinstance(holder, dict) or pid is None:
+                if pid is None:
                     raise RunLockedError(
                         f"{self.path} exists but names no run (empty or unreadable: a run died while taking it, or "
                         f"one is taking it right now); if no run uses {self.path.parent}, remove {self.path}") from None

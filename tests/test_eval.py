@@ -651,3 +651,25 @@ def test_compare_pairs_one_model_scored_by_two_evaluations(tmp_path):
     text = markdown([read_run(n, tmp_path / n) for n in ("ours", "vllm")])
     assert "the same model" not in text.split("| change |")[1].split("\n\n")[0]
     assert f"| vllm - ours, after GRPO | {100 * change:+.1f} (" in text
+
+
+def test_damaged_run_files_are_named_not_tracebacks(tmp_path, capsys):
+    """compare on a summary, a start record or an engines file that is not what it should be, a lock file holding
+    [], a generation record without its sample: each an error naming the file (tracebacks before)."""
+    from pipeline.cli import main
+    from pipeline.lock import RunLock, RunLockedError
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "summary.json").write_text("[1, 2")
+    assert main(["compare", str(run), "--out", str(tmp_path / "cmp")]) == 2
+    assert "eval/summary.json: not readable JSON" in capsys.readouterr().err
+    (run / ".run.lock").write_text("[]")
+    with pytest.raises(RunLockedError, match="names no run"):
+        with RunLock(run):
+            pass
+    from eval.runner import read_generations
+
+    (tmp_path / "g.jsonl").write_text('{"problem_id": "a", "text": "x", "num_tokens": 1, "finish_reason": "stop"}\n')
+    with pytest.raises(ValueError, match=r"g.jsonl: record 1 has no sample"):
+        read_generations(tmp_path / "g.jsonl")
