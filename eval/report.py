@@ -58,18 +58,27 @@ def answer_style(m: dict) -> str:
 
 
 def accuracy_cell(m: dict) -> str:
-    """One table cell of a benchmark's summary, in %: avg@n (95% CI), n, the answers' style (:func:`answer_style`)
-    and, where the evaluation counted them, the boxed answers' accuracy alone."""
-    cell = f"{percent_ci(accuracy(m))}, n={m['repeats']}{answer_style(m)}"
-    if accuracy(m, boxed=True) is not None:
-        cell += f" ({percent_ci(accuracy(m, boxed=True))} boxed alone)"
-    return cell
+    """One table cell of a benchmark's summary, in %: the headline avg@n (95% CI; the boxed answers alone where the
+    evaluation counted them), n, the answers' style (:func:`answer_style`), the lenient reading beside it, and the
+    best trivial baseline where the summary has it."""
+    strict = boxed_headline(m)
+    cell = f"{percent_ci(headline(m))}{' boxed' if strict else ''}, n={m['repeats']}{answer_style(m)}"
+    if strict:
+        cell += f" ({percent_ci(accuracy(m))} lenient)"
+    base = baseline_cell(m)
+    return cell + (f"; baseline {base}" if base else "")
+
+
+def boxed_headline(m: dict) -> bool:
+    """Whether the headline of a benchmark's summary is its boxed answers alone: where the prompt asked for a box
+    (``m["headline"]``; summaries from before it was recorded: wherever they counted boxed answers, as every recipe
+    asked for them)."""
+    return m["headline"].startswith("boxed_") if "headline" in m else accuracy(m, boxed=True) is not None
 
 
 def headline(m: dict) -> tuple[float, float, float] | None:
-    """A benchmark's headline accuracy and interval: the boxed answers' alone where the prompt asked for a box
-    (``m["headline"]``; summaries from before it was recorded: the lenient reading)."""
-    return accuracy(m, boxed=m.get("headline", "").startswith("boxed_"))
+    """A benchmark's headline accuracy and interval (:func:`boxed_headline`)."""
+    return accuracy(m, boxed=boxed_headline(m))
 
 
 def baseline_cell(m: dict) -> str:
@@ -93,7 +102,7 @@ def markdown_table(summary: dict) -> str:
         n = m["repeats"]
         pass_n = m["pass@k"][n] if n in m["pass@k"] else m["pass@k"][str(n)]
         maj_n = m["maj@k"][n] if n in m["maj@k"] else m["maj@k"][str(n)]
-        strict = m.get("headline", "").startswith("boxed_")
+        strict = boxed_headline(m)
         lines.append(f"| {name} | {m['problems']} | {n} | {percent_ci(headline(m))}{' boxed only' if strict else ''} | "
                      f"{percent_ci(accuracy(m))} | {baseline_cell(m)} | "
                      f"{100 * pass_n:.1f} | {100 * maj_n:.1f} | {m['mean_length']:.0f} | {m['max_length']} | "

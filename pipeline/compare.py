@@ -282,13 +282,86 @@ def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
     both (:func:`~eval.metrics.hierarchical_bootstrap`), the answers' style (as a run's cell has it) and the boxed
     answers' accuracy alone where every draw counted them."""
     cells = []
-    for reading in ("accuracy", "boxed_accuracy"):
+    for reading in ("boxed_accuracy", "accuracy"):
         draws = evaluation.draws(benchmark, reading)
         if all(draws):
             samples = hierarchical_bootstrap([draws])
             cells.append(percent_ci((pooled_mean(draws), *percentile_interval([m for (m,) in samples]))))
-    cell = (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
-    return f"{cell} ({cells[1]} boxed alone)" if len(cells) == 2 else cell
+    if len(cells) == 2:
+        return f"{cells[0]} boxed{answer_style(evaluation.benchmarks[benchmark])} ({cells[1]} lenient)"
+    return (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
+
+
+def answer_sizes(runs: list[Run], benchmarks: list[str]) -> dict[str, dict[str, str]]:
+    """Each benchmark's problems' answer strata (:func:`eval.baselines.answer_size`), by problem id: from the
+    summaries where they recorded them, else from the benchmark's file."""
+    from eval.baselines import answer_size
+    from eval.benchmarks import load_problems
+
+    sizes: dict[str, dict[str, str]] = {}
+    for b in benchmarks:
+        recorded = {p["id"]: p["answer_size"] for run in runs for e in run.evaluations if b in e.benchmarks
+                    for p in e.benchmarks[b].get("per_problem", []) if "answer_size" in p}
+        if not recorded:
+            try:
+                recorded = {p.id: answer_size(p.answer) for p in load_problems(b)}
+            except ValueError:  # a benchmark this machine cannot read: no strata
+                recorded = {}
+        sizes[b] = recorded
+    return sizes
+
+
+def within(evaluation: Evaluation, benchmark: str, sizes: dict, stratum: str | None) -> Evaluation:
+    """``evaluation`` restricted to the problems of ``benchmark`` in an answer-size stratum (None: all of them)."""
+    if stratum is None:
+        return evaluation
+    keep = {k for k, v in sizes.get(benchmark, {}).items() if v == stratum}
+
+    def cut(e: Evaluation) -> Evaluation:
+        m = dict(e.benchmarks[benchmark])
+        m["per_problem"] = [p for p in m.get("per_problem", []) if p["id"] in keep]
+        return Evaluation(e.stage, {**e.benchmarks, benchmark: m}, e.model)
+
+    return Evaluation(evaluation.stage, cut(evaluation).benchmarks, evaluation.model,
+                      [cut(m) for m in evaluation.members])
+
+
+def baseline_table(runs: list[Run], benchmarks: list[str]) -> list[str]:
+    """The benchmarks' trivial baselines beside the models (from a summary that recorded them, else scored here on
+    the benchmark's problems): the accuracy of the commonest answer and of the question's last and first numbers."""
+    from eval.baselines import score_baselines
+    from eval.benchmarks import load_problems
+
+    rows = []
+    for b in benchmarks:
+        found = next((e.benchmarks[b]["baselines"] for run in runs for e in run.evaluations
+                      if "baselines" in e.benchmarks.get(b, {})), None)
+        if found is None:
+            try:
+                problems = load_problems(b)
+            except ValueError:
+                continue
+            scored = {p["id"] for run in runs for e in run.evaluations if b in e.benchmarks
+                      for p in e.benchmarks[b].get("per_problem", [])}
+            problems = [p for p in problems if p.id in scored]
+            if not problems:  # the runs scored other problems under this name: no baseline to set beside them
+                continue
+            from rewards.verify import MathVerifier, VerifierPool
+
+            verifier = MathVerifier(pool=VerifierPool(num_workers=2, timeout=5))
+            try:
+                found = score_baselines(problems, verifier)
+            finally:
+                verifier.close()
+        cells = [f"{100 * found[k]['accuracy']:.1f}" + (f" ({found[k]['answer']})" if "answer" in found[k] else "")
+                 for k in ("commonest answer", "last number", "first number")]
+        rows.append(f"| {b} | " + " | ".join(cells) + f" | {found['best']} |")
+    if not rows:
+        return []
+    return ["| trivial baseline (% of problems) | commonest answer | last number in the question | first number | "
+            "best |", "|---|---|---|---|---|", *rows,
+            "", "What a benchmark gives away without reading (eval/baselines.py): a model that does not beat the best "
+            "of these shows no reasoning on it.", ""]
 
 
 def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluation]]:
@@ -345,7 +418,8 @@ def markdown(runs: list[Run]) -> str:
     for (stage, _), (labels, e) in draws_of_arms.items():
         cells = [pooled_cell(e, b) if b in e.benchmarks else "" for b in benchmarks]
         lines.append(f"| mean of {', '.join(labels)}, {stage} | " + " | ".join(cells) + " |")
-    lines += ["", "Accuracies in %; boxed alone: counting only the answers given in a \\boxed{}, as the prompt asks"
+    lines += ["", "Accuracies in %; boxed: counting only the answers given in a \\boxed{}, as the prompt asks (the "
+              "headline), lenient: an unboxed answer read from the last stated one counts too"
               + ("; a mean of runs: each problem's accuracy averaged over runs of one recipe (the seed aside; whole, "
                  "or from one shared model; runs alike in every seed count once), its interval from resampling the runs "
                  "and the problems" if draws_of_arms else "") + ".", ""]
@@ -385,19 +459,23 @@ def markdown(runs: list[Run]) -> str:
             names = (f"mean of {', '.join(labels)}", f"mean of {', '.join(draws_of_arms[(stage, base)][0])}")
             pairs.append((f"{names[0]} - {names[1]}, {stage}", draws_of_arms[(stage, base)][1], e))
             ratios.append((f"{names[0]} / {names[1]}, {stage}", draws_of_arms[(stage, base)][1], e))
+    lines += baseline_table(runs, benchmarks)
     tables = 0
-    for reading, title in (("accuracy", "change"), ("boxed_accuracy", "change, boxed alone")):
+    sizes = answer_sizes(runs, benchmarks)
+    for reading, title, only in (("boxed_accuracy", "change, boxed (headline)", None),
+                                 ("boxed_accuracy", "change, boxed, answers > 10", "> 10"),
+                                 ("accuracy", "change, lenient", None)):
         changes = []
         for name, before, after in pairs:
-            cells = [difference(before, after, b, reading) if b in before.benchmarks and b in after.benchmarks else None
-                     for b in benchmarks]
+            cells = [difference(within(before, b, sizes, only), within(after, b, sizes, only), b, reading)
+                     if b in before.benchmarks and b in after.benchmarks else None for b in benchmarks]
             if any(cells):
                 changes.append(f"| {name} | " + " | ".join(_signed(c) for c in cells) + " |")
         if changes:
             lines += [f"| {title} | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
                       "|---|" + "---|" * len(benchmarks), *changes, ""]
             tables += 1
-    for reading, title in (("accuracy", "ratio"), ("boxed_accuracy", "ratio, boxed alone")):
+    for reading, title in (("boxed_accuracy", "ratio, boxed (headline)"), ("accuracy", "ratio, lenient")):
         rows = []
         for name, before, after in ratios:
             cells = [ratio(before, after, b, reading) if b in before.benchmarks and b in after.benchmarks else None
@@ -417,8 +495,10 @@ def markdown(runs: list[Run]) -> str:
                   "settings against itself, the mean of runs that differ in "
                   "the seed alone against the model they started from, and the mean of runs of one recipe "
                   "against the first run's arm's draws of the most alike settings, on the same problems: the mean "
-                  "change of a problem's accuracy, in points, with a paired bootstrap interval; boxed alone where both "
-                  "evaluations kept each problem's boxed answers' accuracy.", ""]
+                  "change of a problem's accuracy, in points, with a paired bootstrap interval (runs and problems "
+                  "resampled where a side pools runs); boxed where both evaluations kept each problem's boxed "
+                  "answers' accuracy; answers > 10: only the problems whose answer is a number above 10, where a "
+                  "constant small answer or a number copied from the question rarely scores.", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
     for run in runs:

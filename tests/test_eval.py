@@ -326,8 +326,9 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     text = (out / "compare.md").read_text()
     low, high = sse["avg@4_ci95"]
     boxed, (boxed_low, boxed_high) = sse["boxed_avg@4"], sse["boxed_avg@4_ci95"]
-    assert (f"| SSE-H, after GRPO | {100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}), n=4, 10 tokens, 75% boxed "
-            f"({100 * boxed:.1f} ({100 * boxed_low:.1f}-{100 * boxed_high:.1f}) boxed alone) |") in text
+    # the boxed reading first (the prompt asked for a box), the lenient one beside it
+    assert (f"| SSE-H, after GRPO | {100 * boxed:.1f} ({100 * boxed_low:.1f}-{100 * boxed_high:.1f}) boxed, n=4, 10 "
+            f"tokens, 75% boxed ({100 * sse['avg@4']:.1f} ({100 * low:.1f}-{100 * high:.1f}) lenient) |") in text
     assert boxed < sse["avg@4"]  # a right answer out of a box counts in avg@4 only
     assert "n=4, 10 tokens |" in text  # evaluations that did not count boxes (older summaries) show none
     assert "| tf, after distillation |" in text
@@ -340,7 +341,7 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
     assert f"| tf - SSE-H, after distillation | {100 * tf['avg@4']:+.1f} (" in text  # the runs at a shared stage
     assert f"| variant: SSE-H, after distillation -> after GRPO | {100 * variant['avg@4']:+.1f} (+" in text
     assert "| variant: tf," not in text  # the Transformer's distilled model is another model
-    boxed_changes = text.split("| change, boxed alone |")[1]  # the same pairs counting boxed answers alone
+    boxed_changes = text.split("| change, boxed (headline) |")[1].split("\n\n")[0]  # counting boxed answers alone
     assert f"| SSE-H: after distillation -> after GRPO | {100 * sse['boxed_avg@4']:+.1f} (+" in boxed_changes
     assert "before training -> after distillation" not in boxed_changes  # one side never counted boxes
     assert (out / "compare.png").stat().st_size > 10_000
@@ -649,7 +650,7 @@ def test_compare_pairs_one_model_scored_by_two_evaluations(tmp_path):
     assert f"| vllm - first, after GRPO | {100 * sum(vllm[k] - first[k] for k in first) / 40:+.1f} (" in text
     # the first run at its own stage is paired already, as every run is
     text = markdown([read_run(n, tmp_path / n) for n in ("ours", "vllm")])
-    assert "the same model" not in text.split("| change |")[1].split("\n\n")[0]
+    assert "the same model" not in text.split("| change, lenient |")[1].split("\n\n")[0]
     assert f"| vllm - ours, after GRPO | {100 * change:+.1f} (" in text
 
 
@@ -673,3 +674,30 @@ def test_damaged_run_files_are_named_not_tracebacks(tmp_path, capsys):
     (tmp_path / "g.jsonl").write_text('{"problem_id": "a", "text": "x", "num_tokens": 1, "finish_reason": "stop"}\n')
     with pytest.raises(ValueError, match=r"g.jsonl: record 1 has no sample"):
         read_generations(tmp_path / "g.jsonl")
+
+
+def test_compare_sets_the_trivial_baselines_beside_the_models_and_splits_changes_by_answer_size(tmp_path):
+    """A model that learned to answer "1" on the old word problems (26 of 300 answers are 1): compare shows the set's
+    commonest-answer baseline (8.7%) beside it, and its change on answers above 10, where the guess cannot score,
+    apart from the change over all problems."""
+    from eval.benchmarks import load_problems
+    from eval.report import write_reports
+    from pipeline.compare import markdown, read_run
+
+    problems = load_problems("word_problems")
+    for stage, guess_one in (("distill", False), ("grpo", True)):
+        per_problem = [{"id": p.id, "accuracy": float(guess_one and p.answer == "1") or 0.25 * (p.answer == "7"),
+                        "boxed_accuracy": float(guess_one and p.answer == "1") or 0.25 * (p.answer == "7")}
+                       for p in problems]
+        mean = sum(q["boxed_accuracy"] for q in per_problem) / len(per_problem)
+        m = {"problems": 300, "repeats": 4, "avg@4": mean, "avg@4_ci95": (mean, mean), "boxed_avg@4": mean,
+             "boxed_avg@4_ci95": (mean, mean), "pass@k": {"4": mean}, "maj@k": {"4": mean}, "mean_length": 9,
+             "max_length": 9, "truncation_rate": 0.0, "per_problem": per_problem}
+        write_reports({"benchmarks": {"word_problems": m}, "model": f"{tmp_path}/run/{stage}/final [x]"},
+                      tmp_path / "run" / "eval" / stage)
+    text = markdown([read_run("run", tmp_path / "run")])
+    assert "| word_problems | 8.7 (1) |" in text and "| commonest answer |" in text
+    everything = text.split("| change, boxed (headline) |")[1].split("\n\n")[0]
+    large = text.split("| change, boxed, answers > 10 |")[1].split("\n\n")[0]
+    assert "| run: after distillation -> after GRPO | +" in everything  # the guess "gains" over all problems
+    assert "| run: after distillation -> after GRPO | +0.0 (+0.0 to +0.0) |" in large  # and nothing where it can't
