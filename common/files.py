@@ -59,13 +59,33 @@ def repair_tail(path: Path) -> int:
     return size - end
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every record of ``path``; lines that do not parse are skipped with a warning naming the line."""
+def compressed(path: Path) -> Path:
+    """``path``'s gzip beside it (``metrics.jsonl.gz``): how a kept run stores its larger records."""
+    return path.with_name(path.name + ".gz")
+
+
+def read_text(path: Path) -> str:
+    """The text of ``path``, or of its gzip where only that exists (a kept run's)."""
+    import gzip
+
     path = Path(path)
+    if not path.exists() and compressed(path).exists():
+        return gzip.decompress(compressed(path).read_bytes()).decode()
+    return path.read_text()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of ``path`` (or of its gzip, :func:`compressed`); lines that do not parse are skipped with a
+    warning naming the line."""
+    import gzip
+
+    path = Path(path)
+    if not path.exists() and compressed(path).exists():
+        path = compressed(path)
     if not path.exists():
         return []
     records = []
-    with path.open("rb") as handle:
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue

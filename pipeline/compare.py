@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from common.files import atomic_write
+from common.files import atomic_write, read_text
 from eval.metrics import bootstrap_ci, hierarchical_bootstrap, percentile_interval
 from eval.report import accuracy, accuracy_cell, answer_style, percent_ci
 
@@ -99,7 +99,7 @@ def read_run(label: str, folder: Path) -> Run:
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such run folder")
     run = Run(label, folder)
-    for path in sorted(folder.rglob("summary.json")):
+    for path in sorted([*folder.rglob("summary.json"), *(p.with_suffix("") for p in folder.rglob("summary.json.gz"))]):
         if ".replaced-" in str(path.relative_to(folder)):  # outputs a --redo moved aside
             continue
         if any((parent / "report.md").exists() for parent in path.parents if parent != folder
@@ -182,9 +182,10 @@ def independent(members: list[tuple["Run", Evaluation]]) -> list[tuple["Run", Ev
 
 
 def read_json(path: Path, kind: type):
-    """A file of a run that must hold JSON of ``kind``; a damaged one is an error naming it (not a traceback)."""
+    """A file of a run that must hold JSON of ``kind`` (or its gzip, as a kept run stores it); a damaged one is an
+    error naming it (not a traceback)."""
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(read_text(path))
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: not readable JSON ({error}); restore it or leave the run out") from None
     if not isinstance(value, kind):
@@ -223,7 +224,8 @@ def paired_change(before: dict[str, float], after: dict[str, float]) -> tuple[fl
     return (sum(diffs) / len(diffs), *bootstrap_ci(diffs))
 
 
-def difference(before: Evaluation, after: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
+def difference(before: Evaluation, after: Evaluation, benchmark: str,
+               reading: str) -> tuple[float, float, float] | None:
     """``after - before`` on the problems both scored: :func:`paired_change` for two runs; where either is a pool of
     runs, the hierarchical bootstrap (runs and problems), so the runs' spread is in the interval."""
     if not (before.members or after.members):
@@ -421,8 +423,8 @@ def markdown(runs: list[Run]) -> str:
     lines += ["", "Accuracies in %; boxed: counting only the answers given in a \\boxed{}, as the prompt asks (the "
               "headline), lenient: an unboxed answer read from the last stated one counts too"
               + ("; a mean of runs: each problem's accuracy averaged over runs of one recipe (the seed aside; whole, "
-                 "or from one shared model; runs alike in every seed count once), its interval from resampling the runs "
-                 "and the problems" if draws_of_arms else "") + ".", ""]
+                 "or from one shared model; runs alike in every seed count once), its interval from resampling the "
+                 "runs and the problems" if draws_of_arms else "") + ".", ""]
     pairs = [(f"{run.label}: {earlier.stage} -> {later.stage}", earlier, later)
              for run in runs for earlier, later in zip(run.evaluations, run.evaluations[1:])]
     pairs += [(f"{run.label} - {runs[0].label}, {e.stage}", first, e) for run in runs[1:] for e in run.evaluations
@@ -464,7 +466,8 @@ def markdown(runs: list[Run]) -> str:
     sizes = answer_sizes(runs, benchmarks)
     for reading, title, only in (("boxed_accuracy", "change, boxed (headline)", None),
                                  ("boxed_accuracy", "change, boxed, answers > 10", "> 10"),
-                                 ("accuracy", "change, lenient", None)):
+                                 ("accuracy", "change, lenient", None),
+                                 ("accuracy", "change, lenient, answers > 10", "> 10")):
         changes = []
         for name, before, after in pairs:
             cells = [difference(within(before, b, sizes, only), within(after, b, sizes, only), b, reading)

@@ -5,7 +5,8 @@ stage's metrics and plots, the records of the model each stage started from, GRP
 tables, plots and summaries) and none of the weights, checkpoints, generations or event files: a few MiB where the
 run holds gigabytes, small enough to bring back from a remote machine or to commit beside the write-up. Each
 problem's answers are dropped from the summaries (they are the generations' text again); each problem's accuracy
-stays, for compare's paired changes. DEST is written whole or not at all (a temporary folder renamed into place).
+stays, for compare's paired changes. Summaries and metrics are kept as gzip (``summary.json.gz``), a fifth of their
+size; compare reads either. DEST is written whole or not at all (a temporary folder renamed into place).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import shutil
 from fnmatch import fnmatch
 from pathlib import Path
 
+from common.files import compressed, read_text
 from eval.report import summary_json
 
-KEPT = ("recipe.yaml", "report.md", "metrics.jsonl", "started_from.json", "engines*.json", "results.md",
-        "summary.json", "*.png")
+KEPT = ("recipe.yaml", "report.md", "metrics.jsonl", "metrics.jsonl.gz", "started_from.json", "engines*.json",
+        "results.md", "summary.json", "summary.json.gz", "*.png")
+COMPRESSED = ("summary.json", "metrics.jsonl")  # the larger records, kept as gzip (compare and the stages read both)
 LEFT = ("final", "checkpoints", "generations", "tensorboard")  # folders of weights, generations, event files
 
 
@@ -32,6 +35,12 @@ def kept_files(run: Path) -> list[Path]:
                 and any(fnmatch(path.name, pattern) for pattern in KEPT):
             files.append(Path(*parts))
     return files
+
+
+def write_compressed(path: Path, text: str) -> None:
+    import gzip
+
+    path.write_bytes(gzip.compress(text.encode(), mtime=0))  # no timestamp inside: the same run keeps the same bytes
 
 
 def without_answers(summary: dict) -> dict:
@@ -54,19 +63,23 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
         raise FileExistsError(f"{dest}: exists and is not an empty folder; keep writes a new one")
     files = kept_files(run)
     if not files:
-        raise ValueError(f"{run}: nothing to keep (no recipe.yaml, report, metrics or summary.json); is it a run folder?")
+        raise ValueError(f"{run}: nothing to keep (no recipe.yaml, report, metrics or summary.json); is it a run "
+                         "folder?")
     tmp = dest.with_name(f".{dest.name}.keep-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         for rel in files:
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            if rel.name == "summary.json":
+            if rel.name in ("summary.json", "summary.json.gz"):
+                plain = rel.with_suffix("") if rel.suffix == ".gz" else rel
                 try:
-                    summary = json.loads((run / rel).read_text())
+                    summary = json.loads(read_text(run / plain))
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{run / rel}: not JSON ({err})") from err
-                target.write_text(summary_json(without_answers(summary)))
+                write_compressed(compressed(tmp / plain), summary_json(without_answers(summary)))
+            elif rel.name == "metrics.jsonl":
+                write_compressed(compressed(target), (run / rel).read_text())
             else:
                 shutil.copy2(run / rel, target)
     except BaseException:  # nothing half-written is left beside dest

@@ -113,6 +113,7 @@ def measured_rates(out: Path) -> dict:
     """What the stages' own logs say, as rates the projection scales: distillation tokens/s after its first
     step, GRPO's generated tokens/s and trained tokens/s; and the evaluation's generated tokens (the projection
     scores evaluation at GRPO's engine rate: a few samples do not fill an engine)."""
+    from common.files import compressed, read_text
     from pipeline.metrics import read_metrics
 
     found: dict = {}
@@ -140,8 +141,8 @@ def measured_rates(out: Path) -> dict:
         found["grpo"]["generated_per_s"] = generated / found["grpo"]["rollout_s"]
         found["grpo"]["trained_per_s"] = trained / found["grpo"]["train_s"]
     summary = out / "eval" / "summary.json"
-    if summary.exists():
-        benchmarks = json.loads(summary.read_text())["benchmarks"]
+    if summary.exists() or compressed(summary).exists():  # a kept run's is a gzip
+        benchmarks = json.loads(read_text(summary))["benchmarks"]
         found["eval"] = {"generated_tokens": sum(b["problems"] * b["repeats"] * b["mean_length"]
                                                  for b in benchmarks.values())}
     return found

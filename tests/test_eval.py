@@ -565,6 +565,7 @@ def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tm
     """``sse-pipeline keep``: a finished run (here a kept SmolLM2 run with a run's other outputs added back) kept
     in a new folder reads in compare as the run does, without its weights, checkpoints, generations, event files,
     outputs a --redo moved aside, or each problem's answers; a second keep into the same folder is refused."""
+    import gzip
     import shutil
     from pathlib import Path
 
@@ -575,11 +576,11 @@ def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tm
     stored = Path(__file__).resolve().parents[1] / "docs" / "runs" / "2026-11-27f-smollm2-135m"
     run = tmp_path / "runs" / "smollm2-135m"
     shutil.copytree(stored, run)
-    summary_path = run / "eval" / "distill" / "summary.json"
-    summary = json.loads(summary_path.read_text())
+    summary_path = run / "eval" / "distill" / "summary.json.gz"  # a kept run's records are gzip
+    summary = json.loads(gzip.decompress(summary_path.read_bytes()))
     for problem in summary["benchmarks"]["gsm8k"]["per_problem"]:
         problem["answers"] = ["18", None, "3", "18"]
-    summary_path.write_text(json.dumps(summary, indent=2))
+    summary_path.write_bytes(gzip.compress(json.dumps(summary, indent=2).encode()))
     left = ["align/final/model.safetensors", "align/final/config.json", "initial/model.safetensors",
             "distill/checkpoints/checkpoint-200/optimizer.pt", "eval/generations/gsm8k.jsonl",
             "grpo/tensorboard/events.out.tfevents.1", "grpo/final/engines.json", "eval.replaced-1/summary.json"]
@@ -591,7 +592,7 @@ def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tm
     assert f"of {run} in {dest}" in capsys.readouterr().out
     files = {p.relative_to(dest) for p in dest.rglob("*") if p.is_file()}
     assert files == {p.relative_to(stored) for p in stored.rglob("*") if p.is_file()}
-    kept = json.loads((dest / "eval" / "distill" / "summary.json").read_text())
+    kept = json.loads(gzip.decompress((dest / "eval" / "distill" / "summary.json.gz").read_bytes()))
     assert all("answers" not in p for p in kept["benchmarks"]["gsm8k"]["per_problem"])
     assert kept["benchmarks"]["gsm8k"]["per_problem"] == [
         {k: v for k, v in p.items() if k != "answers"} for p in summary["benchmarks"]["gsm8k"]["per_problem"]]
