@@ -174,9 +174,9 @@ def test_a_stage_that_fails_is_reported_and_the_next_still_runs(tmp_path, monkey
 
 
 def test_measured_rates_agree_with_a_real_runs_report():
-    """Read from the SSE-H arm's SmolLM2-135M run kept in docs/runs: docs/real_model.md reports its distillation
-    as 3.95M tokens in 299 s of training and its GRPO as 40 generation batches at 3.56 s of rollout, 2.96 s of
-    training and 12,318 generated tokens/s (the mean of the logged rates)."""
+    """Read from an SSE-H SmolLM2-135M run kept in docs/runs/smollm2-135m (its records gzip, as keep writes them):
+    its report gave its distillation as 3.95M tokens in 299 s of training and its GRPO as 40 generation batches at
+    3.56 s of rollout, 2.96 s of training and 12,318 generated tokens/s (the mean of the logged rates)."""
     from pathlib import Path
 
     from scripts.paper_dry_run import measured_rates
