@@ -115,7 +115,7 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
         while waiting and len(procs) < parallel:
             name = waiting.pop(0)
             log = (out / f"{name}.log").open("a")  # a re-run resumes: its log follows the first run's
-            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(runs[name])}\n")
+            log.write(f"### sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(runs[name])}\n")
             log.flush()
             own = env
             if gpus:
