@@ -73,7 +73,7 @@ def collect_worker_files(folder: Path) -> None:
             (folder / name).write_bytes(data)
 
 
-def _broken_file(folder: Path) -> str | None:
+def broken_file(folder: Path) -> str | None:
     """The first file of a checkpoint that is missing, cut short or changed, or None if it is whole."""
     marker = folder / COMPLETE
     for name in ("trainer_state.json", "config.json", COMPLETE):  # a JSON file that does not parse fails every resume
@@ -123,7 +123,7 @@ def latest_complete_checkpoint(directory: Path, set_aside: bool = True) -> Path 
                     if c.is_dir() and c.name.split("-")[-1].isdigit()), reverse=True)
     for _, folder in found:
         try:
-            bad = _broken_file(folder)
+            bad = broken_file(folder)
         except OSError as error:  # moved aside by another worker while read
             bad = str(error)
         if bad is None:

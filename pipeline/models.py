@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -87,8 +88,15 @@ def unpacked(gguf_file: Path) -> Path:
     key = hashlib.sha1(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{UNPACKED_FORMAT}".encode()
                        ).hexdigest()[:16]
     folder = cache_home() / "unpacked" / f"{gguf_file.stem}-{key}"
+    from .checkpoints import COMPLETE, broken_file
+
     if (folder / "config.json").exists():
-        return folder
+        damaged = broken_file(folder) if (folder / COMPLETE).exists() else f"{folder / COMPLETE} (missing)"
+        if damaged is None:
+            return folder
+        logger.warning("%s: the unpacked copy of %s is damaged (%s); unpacking it again", folder, gguf_file.name,
+                       damaged)
+        shutil.rmtree(folder, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
@@ -105,6 +113,8 @@ def unpacked(gguf_file: Path) -> Path:
             logger.warning("%s: the tokenizer read %s %r where the file says %r; using the file's", gguf_file.name,
                            name, was, now)
         tokenizer.save_pretrained(partial)
+        sizes = {str(f.relative_to(partial)): f.stat().st_size for f in partial.rglob("*") if f.is_file()}
+        (partial / COMPLETE).write_text(json.dumps(sizes))  # last: a copy cut short or damaged later is unpacked again
         os.replace(partial, folder)
     except OSError:
         if not (folder / "config.json").exists():  # not a concurrent unpacking that finished first
@@ -122,7 +132,12 @@ def load_tokenizer(name: str | None, fallback: str | Path | None = None):
     source = name or fallback
     if source is None:
         raise ValueError("model.tokenizer is needed to build a model from a preset (a path, hub name, or 'char')")
-    tokenizer = AutoTokenizer.from_pretrained(local_model(source))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(local_model(source))
+    except (OSError, ValueError) as error:  # transformers' own message runs to a page
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{source}: no tokenizer could be read there ({first}); give model.tokenizer, or copy the "
+                         "tokenizer files (tokenizer.json, tokenizer_config.json) beside the model") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

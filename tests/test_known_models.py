@@ -152,6 +152,17 @@ def test_a_gguf_file_is_unpacked_once_into_a_folder_that_loads_the_same(llama_gg
     monkeypatch.setattr("sse_model.checkpoint._load_gguf", no_parse)
     model, tokenizer = load_model(ModelSpec(convert_from=str(gguf)), dtype=torch.float32)  # from the folder
     assert isinstance(model, SSEForCausalLM) and tokenizer.eos_token == "<|im_end|>"
+    # an unpacked copy damaged later (here: its weights cut short) is unpacked again, not read forever
+    monkeypatch.undo()
+    monkeypatch.setenv("SSE_PIPELINE_CACHE", str(tmp_path / "cache"))
+    weights = again / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert Path(models.local_model(gguf)) == again and weights.stat().st_size > 1000
+    # a model folder without its tokenizer: one line naming the folder and what to do
+    bare = tmp_path / "bare"
+    load_pretrained(again, torch.float32).save_pretrained(bare)
+    with pytest.raises(ValueError, match=r"bare: no tokenizer could be read there.*model.tokenizer"):
+        load_tokenizer(None, bare)
 
 
 def test_an_unpacked_gguf_keeps_the_files_special_tokens_whatever_the_loader_reads(llama_gguf, tmp_path,
