@@ -30,10 +30,10 @@ def starting(recipe: Recipe, out: Path) -> str:
     """The model the run's first stage started from: the record of a stage started elsewhere, else the recipe's."""
     import json
 
-    for stage in STAGES:
-        record = out / stage / "started_from.json"
-        if record.exists():
-            return f"`{json.loads(record.read_text())['model']}` ({stage})"
+    first = next((stage for stage in STAGES if (out / stage).exists()), None)  # the first stage that ran
+    record = out / str(first) / "started_from.json"
+    if first is not None and record.exists():  # a model of another run, or a --checkpoint
+        return f"`{json.loads(record.read_text())['model']}` ({first})"
     m = recipe.model
     return (f"`{m.path}`" if m.path else f"the preset {m.preset} (random weights)" if m.preset
             else f"{m.convert_from}, converted")
@@ -42,7 +42,7 @@ def starting(recipe: Recipe, out: Path) -> str:
 def write_report(recipe: Recipe, out: Path, timings: dict, total: float) -> Path:
     """``report.md`` in ``out``; ``timings``: seconds each stage took in this run."""
     lines = [f"# {recipe.name}", "", f"Output directory: `{out}`", f"Started from: {starting(recipe, out)}."]
-    if any(stage != "eval" for stage in timings):  # an evaluation-only run trained nothing
+    if any((out / stage / "final").exists() for stage in STAGES if stage != "eval"):  # an evaluation alone trains none
         lines.append(f"Training precision: {precision_name(recipe, resolve_device(recipe.device))}.")
     lines.append("")
     lines += ["| stage | seconds this run | final model | highlights |", "| --- | --- | --- | --- |"]

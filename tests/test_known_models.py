@@ -233,6 +233,7 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     assert any("teacher_kl" in r and "ce" in r for r in distilled)
     report = run_recipe(recipe, ("align", "distill", "grpo", "eval"))  # everything done: nothing trains again
     assert "| align |" in report.read_text() and "initial: gsm8k avg@1" in report.read_text()
+    assert "tiny-llama.gguf, converted." in report.read_text()  # the model the run started from
     from pipeline.compare import read_run
 
     scored = {e.stage for e in read_run("sse", run).evaluations}
