@@ -59,12 +59,28 @@ def _settings_path(log_path: Path) -> Path:
     return log_path.with_name(f"{name}.settings.json")
 
 
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two model names (``path [fingerprint]``, :func:`model_identity`) name one model: the same fingerprint
+    of weights, wherever the folder lies now (a finished run moved to another folder is the same run). Stored
+    models (``uri [stored ...]``) are the same only as the same upload."""
+    if a == b:
+        return True
+    if not a or not b or " [" not in a or " [" not in b or "[stored " in a or "[stored " in b:
+        return False
+    return a.rsplit(" [", 1)[1] == b.rsplit(" [", 1)[1]
+
+
 def check_settings(log_path: Path, settings: dict, fresh: bool = False) -> None:
     """Generations in ``log_path`` (and its shards) must come from ``settings``; a mismatch is refused naming
     what differs, or with ``fresh`` the old files are moved aside (never deleted) and generation starts over."""
     path = _settings_path(log_path)
     if path.exists():
         before = json.loads(path.read_text())
+        if before.get("model") != settings.get("model") and same_model(before.get("model"), settings.get("model")):
+            before["model"] = settings["model"]  # the run moved to another folder: its generations are the model's
+            from common.files import atomic_write
+
+            atomic_write(path, json.dumps(before, indent=2))
         diffs = [f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(before) | set(settings))
                  if before.get(k) != settings.get(k)]
         if diffs and not fresh:

@@ -702,3 +702,21 @@ def test_compare_sets_the_trivial_baselines_beside_the_models_and_splits_changes
     large = text.split("| change, boxed, answers > 10 |")[1].split("\n\n")[0]
     assert "| run: after distillation -> after GRPO | +" in everything  # the guess "gains" over all problems
     assert "| run: after distillation -> after GRPO | +0.0 (+0.0 to +0.0) |" in large  # and nothing where it can't
+
+
+def test_a_finished_run_moved_to_another_folder_runs_again(tmp_path):
+    """The same weights (fingerprint) under another path are the same model: a run moved to another folder resumed
+    its evaluation (it was refused: "generations ... made with other settings: model: '/a/...' -> '/b/...'"); other
+    weights, or stored uploads, are not the same."""
+    from eval.runner import check_settings, same_model
+
+    assert same_model("/a/run/grpo/final [8157d2bb6641]", "/b/run/grpo/final [8157d2bb6641]")
+    assert not same_model("/a/grpo/final [8157d2bb6641]", "/a/grpo/final [000000000000]")
+    assert not same_model("s3://x/final [stored 1]", "s3://x/final [stored 2]")
+    log = tmp_path / "generations" / "gsm8k.jsonl"
+    settings = {"benchmark": "gsm8k", "model": "/a/grpo/final [f1]", "repeats": 4}
+    check_settings(log, settings)
+    check_settings(log, {**settings, "model": "/b/grpo/final [f1]"})  # moved: accepted, recorded under its new path
+    assert json.loads((tmp_path / "generations" / "gsm8k.settings.json").read_text())["model"] == "/b/grpo/final [f1]"
+    with pytest.raises(Exception, match="made with other settings"):
+        check_settings(log, {**settings, "model": "/b/grpo/final [f2]"})

@@ -11,7 +11,7 @@ from pathlib import Path
 import ray
 
 from eval.generation import HFGenerateBackend, SamplingConfig
-from eval.runner import generate, score
+from eval.runner import generate, same_model, score
 
 from ..models import engine_options, load_model, resolve_device
 from ..recipe import Recipe, RecipeError
@@ -106,7 +106,7 @@ def generated_already(out_dir: Path, location: str) -> bool:
     path retrained, has another identity."""
     summary = Path(out_dir) / "summary.json"
     try:
-        return json.loads(summary.read_text()).get("model") == model_id(location)
+        return same_model(json.loads(summary.read_text()).get("model"), model_id(location))
     except (OSError, ValueError):  # none yet, or half a file from before atomic writes
         return False
 
