@@ -731,6 +731,23 @@ def test_what_the_machine_must_offer_is_checked_before_anything_starts(tmp_path,
     assert list((tmp_path / "store").iterdir()) == []  # the probe is gone
 
 
+def test_a_hub_dataset_out_of_reach_is_refused_before_anything_starts(monkeypatch):
+    """A hub name with no network to the hub: ``datasets`` retried for a minute, after the stages before had run."""
+    from pipeline.run import preflight
+    from pipeline.stages import base
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(base, "HUB", ("127.0.0.1", 9))  # nothing listens there: refused at once
+    with pytest.raises(RecipeError, match="eval.benchmarks: 'someone/problems' names a hub dataset"):
+        preflight(load_recipe("demo", ["eval.benchmarks=[someone/problems]"]), ("eval",))
+    with pytest.raises(RecipeError, match=r"grpo.data.source: 'someone/prompts' names a hub dataset"):
+        preflight(load_recipe("demo", ["grpo.data.source=someone/prompts"]), ("grpo",))
+    preflight(load_recipe("demo", ["grpo.data.source=someone/prompts"]), ("eval",))  # not a stage run here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache answers for it when it loads
+    preflight(load_recipe("demo", ["eval.benchmarks=[someone/problems]"]), ("eval",))
+
+
 def test_a_failed_stage_keeps_our_words_in_its_one_line_error(tmp_path):
     """``grpo.max_engine_restarts=0``: the one-line error kept Ray's last line and dropped "rollout engine 0 died";
     a --redo of a stage the command does not run was ignored after "done, skipping"."""

@@ -204,9 +204,33 @@ def check_engine_installed(stage: str, engine) -> None:
 
 def check_data_source(key: str, spec) -> None:
     """A data source that names a file (a path, or a JSONL / JSON / parquet name) must exist before anything starts
-    (it failed once the stage had loaded its model); hub names and builtins are checked when they load."""
+    (it failed once the stage had loaded its model), and one that names a hub dataset needs the hub."""
+    from ..data import PACKAGED
+
     for i, source in enumerate([spec.source, *(m.source for m in spec.mix)]):
         where = key if i == 0 else f"{key}.mix[{i - 1}]"
         looks_like_file = source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet"))
-        if not source.startswith("builtin:") and looks_like_file and not Path(source).expanduser().exists():
+        if source.startswith("builtin:") or source in PACKAGED:
+            continue
+        if looks_like_file and not Path(source).expanduser().exists():
             raise RecipeError(f"{where}.source: {source!r} is no file (from {Path.cwd()})")
+        if not looks_like_file and not Path(source).exists():
+            check_hub(f"{where}.source", source)
+
+
+HUB = ("huggingface.co", 443)
+
+
+def check_hub(key: str, name: str, timeout_s: float = 5.0) -> None:
+    """A hub dataset's name, refused at once where the hub cannot be reached (``datasets`` waited a minute before it
+    failed, after the stages before had run)."""
+    import os
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return  # offline mode: the datasets cache serves it, or says it cannot
+    try:
+        socket.create_connection(HUB, timeout=timeout_s).close()
+    except OSError as error:
+        raise RecipeError(f"{key}: {name!r} names a hub dataset, and the hub is out of reach from here ({error}); "
+                          "give a local file (JSONL / JSON / parquet), or set HF_HUB_OFFLINE=1 to read the cache")

@@ -16,7 +16,8 @@ from eval.runner import generate, same_model, score
 from ..models import engine_options, load_model, resolve_device
 from ..recipe import Recipe, RecipeError
 from ..storage import get_files, materialize, put_files
-from .base import Stage, check_engine_installed, initial_checkpoint, model_id, stage_model, stored, task_setup
+from .base import (Stage, check_engine_installed, check_hub, initial_checkpoint, model_id, stage_model, stored,
+                   task_setup)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,8 @@ class EvalStage(Stage):
             if name not in BENCHMARKS and looks_like_file and not Path(name).expanduser().exists():
                 raise RecipeError(f"eval.benchmarks: {name!r} is no file (from {Path.cwd()}) and no registered "
                                   f"benchmark ({sorted(BENCHMARKS)})")
+            if name not in BENCHMARKS and not looks_like_file and not Path(name).exists():
+                check_hub("eval.benchmarks", name)
             if name in BENCHMARKS or Path(name).expanduser().exists():  # a bad file is named now, not after training
                 try:
                     load_problems(str(Path(name).expanduser()) if name not in BENCHMARKS else name)
