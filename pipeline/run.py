@@ -84,6 +84,12 @@ def runtime_env(recipe: Recipe) -> dict:
     return env
 
 
+def quiet_token_notice(record: logging.LogRecord) -> bool:
+    """Ray's notice, on every run, that a new local cluster has token authentication on (its default) is dropped;
+    the warning that it is off is kept."""
+    return not record.getMessage().startswith("Token authentication is enabled")
+
+
 def init_ray(recipe: Recipe, address: str | None = None) -> None:
     if ray.is_initialized():
         return
@@ -93,6 +99,7 @@ def init_ray(recipe: Recipe, address: str | None = None) -> None:
     else:
         # address "local": a cluster of this run's own, even where another run's is up on this machine (ray.init
         # would join that one, refusing this run's num_cpus / num_gpus)
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(quiet_token_notice)
         ray.init(address="local", num_cpus=recipe.ray.num_cpus, num_gpus=recipe.ray.num_gpus,
                  include_dashboard=False, ignore_reinit_error=True, logging_level=logging.WARNING)
 

@@ -19,6 +19,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
 
 from .cache import ModelCache, SSEHybridCache
+
+# the cache's field in transformers' model outputs: ``cache`` in newer releases, where ``past_key_values`` warns on
+# every process's first use; ``past_key_values`` before
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 from .configuration_sse import SSEConfig
 from .layers.attention import SoftmaxAttention
 from .layers.common import ForwardContext
@@ -216,7 +220,7 @@ class SSEModel(SSEPreTrainedModel):
             all_hidden += (hidden,)
         if cache is not None:
             cache.advance(cu_seqlens.diff() if packed_prefill else T)
-        out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache, hidden_states=all_hidden)
+        out = BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=all_hidden, **{CACHE_FIELD: cache})
         out.aux_loss = torch.stack(aux_losses).sum() if aux_losses else None
         return out
 
@@ -310,8 +314,8 @@ class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
             aux_loss=aux_loss,
             lm_loss=lm_loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
     def prepare_inputs_for_generation(
