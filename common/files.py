@@ -31,9 +31,6 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
-log = logging.getLogger(__name__)
-
-
 def repair_tail(path: Path) -> int:
     """Cuts a torn last line (no newline, or not JSON) of ``path``; returns the number of bytes cut."""
     path = Path(path)
@@ -62,6 +59,13 @@ def repair_tail(path: Path) -> int:
 def compressed(path: Path) -> Path:
     """``path``'s gzip beside it (``metrics.jsonl.gz``): how a kept run stores its larger records."""
     return path.with_name(path.name + ".gz")
+
+
+def write_compressed(path: Path, text: str) -> None:
+    """``text`` as ``path``'s gzip (:func:`compressed`), without a timestamp inside: the same text, the same bytes."""
+    import gzip
+
+    compressed(Path(path)).write_bytes(gzip.compress(text.encode(), mtime=0))
 
 
 def read_text(path: Path) -> str:

@@ -69,10 +69,7 @@ def bootstrap_ci(values: Sequence[float], iterations: int = 2000, alpha: float =
         return (float("nan"), float("nan"))
     rng = random.Random(seed)
     n = len(values)
-    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(iterations))
-    lo = means[int(alpha / 2 * iterations)]
-    hi = means[min(iterations - 1, int((1 - alpha / 2) * iterations))]
-    return lo, hi
+    return percentile_interval([sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(iterations)], alpha)
 
 
 def ks_for(n: int) -> list[int]:
@@ -138,6 +135,7 @@ def hierarchical_bootstrap(arms: list[list[dict[str, float]]], iterations: int =
 
 
 def percentile_interval(values: Sequence[float], alpha: float = 0.05) -> tuple[float, float]:
+    """The central ``1 - alpha`` interval of bootstrap ``values``."""
     values = sorted(values)
     n = len(values)
     return values[int(alpha / 2 * n)], values[min(n - 1, int((1 - alpha / 2) * n))]

@@ -17,12 +17,11 @@ import shutil
 from fnmatch import fnmatch
 from pathlib import Path
 
-from common.files import compressed, read_text
+from common.files import read_text, write_compressed
 from eval.report import summary_json
 
 KEPT = ("recipe.yaml", "report.md", "metrics.jsonl", "metrics.jsonl.gz", "started_from.json", "engines*.json",
         "results.md", "summary.json", "summary.json.gz", "*.png")
-COMPRESSED = ("summary.json", "metrics.jsonl")  # the larger records, kept as gzip (compare and the stages read both)
 LEFT = ("final", "checkpoints", "generations", "tensorboard")  # folders of weights, generations, event files
 
 
@@ -35,12 +34,6 @@ def kept_files(run: Path) -> list[Path]:
                 and any(fnmatch(path.name, pattern) for pattern in KEPT):
             files.append(Path(*parts))
     return files
-
-
-def write_compressed(path: Path, text: str) -> None:
-    import gzip
-
-    path.write_bytes(gzip.compress(text.encode(), mtime=0))  # no timestamp inside: the same run keeps the same bytes
 
 
 def without_answers(summary: dict) -> dict:
@@ -77,9 +70,9 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
                     summary = json.loads(read_text(run / plain))
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{run / rel}: not JSON ({err})") from err
-                write_compressed(compressed(tmp / plain), summary_json(without_answers(summary)))
+                write_compressed(tmp / plain, summary_json(without_answers(summary)))
             elif rel.name == "metrics.jsonl":
-                write_compressed(compressed(target), (run / rel).read_text())
+                write_compressed(target, (run / rel).read_text())
             else:
                 shutil.copy2(run / rel, target)
     except BaseException:  # nothing half-written is left beside dest

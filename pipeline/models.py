@@ -221,9 +221,15 @@ def training_device(recipe) -> torch.device:
     return device
 
 
-# FSDP's share of a GPU: training state (float32 weights, gradients, two AdamW moments: 16 bytes a trainable
-# parameter) above this fraction of one GPU's memory leaves too little for a long row's activations under DDP
+# FSDP's share of a GPU: training state above this fraction of one GPU's memory leaves too little for a long row's
+# activations under DDP
 FSDP_STATE_FRACTION = 0.4
+
+
+def training_state_bytes(model) -> int:
+    """What training keeps of a whole model: float32 weights, gradients and two AdamW moments, 16 bytes a trainable
+    parameter."""
+    return 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def uses_fsdp(recipe, model, device: torch.device, workers: int) -> bool:
@@ -236,8 +242,7 @@ def uses_fsdp(recipe, model, device: torch.device, workers: int) -> bool:
         return False
     if recipe.sharding == "fsdp":
         return True
-    state = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return state > FSDP_STATE_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    return training_state_bytes(model) > FSDP_STATE_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
 # recipe keys that TRL's configs name otherwise (a readable recipe; TRL's names inside)

@@ -203,28 +203,44 @@ def check_engine_installed(stage: str, engine) -> None:
 
 
 def check_data_source(key: str, spec) -> None:
-    """A data source that names a file (a path, or a JSONL / JSON / parquet name) must exist before anything starts
-    (it failed once the stage had loaded its model), and one that names a hub dataset needs the hub."""
+    """Every source of a data spec (its mix's too) as :func:`check_source` reads it; builtins and the packaged sets
+    are always there."""
     from ..data import PACKAGED
 
     for i, source in enumerate([spec.source, *(m.source for m in spec.mix)]):
-        where = key if i == 0 else f"{key}.mix[{i - 1}]"
-        looks_like_file = source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet"))
-        if source.startswith("builtin:") or source in PACKAGED:
-            continue
-        if looks_like_file and not Path(source).expanduser().exists():
-            raise RecipeError(f"{where}.source: {source!r} is no file (from {Path.cwd()})")
-        if not looks_like_file and not Path(source).exists():
-            check_hub(f"{where}.source", source)
+        if not (source.startswith("builtin:") or source in PACKAGED):
+            check_source(f"{key}.source" if i == 0 else f"{key}.mix[{i - 1}].source", source)
 
 
-HUB = ("huggingface.co", 443)
+def check_source(key: str, name: str, instead: str = "") -> Path | None:
+    """A data set's name as its loaders read it, before anything starts (it failed once the stage had loaded its
+    model): a local file (returned); a file's name (a path, or a JSONL / JSON / parquet name) that is not there,
+    refused (``instead``: what else the name could have been); else a hub dataset, whose hub must be in reach."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json", ".parquet")):
+        raise RecipeError(f"{key}: {name!r} is no file (from {Path.cwd()}){instead}")
+    check_hub(key, name)
+    return None
+
+
+def _hub_address() -> tuple[str, int]:
+    """The host and port of the hub the ``datasets`` library reads (``HF_ENDPOINT`` where a mirror is set)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+HUB = _hub_address()
 
 
 def check_hub(key: str, name: str, timeout_s: float = 5.0) -> None:
     """A hub dataset's name, refused at once where the hub cannot be reached (``datasets`` waited a minute before it
     failed, after the stages before had run)."""
-    import os
     import socket
 
     if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):

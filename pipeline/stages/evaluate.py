@@ -16,7 +16,7 @@ from eval.runner import generate, same_model, score
 from ..models import engine_options, load_model, resolve_device
 from ..recipe import Recipe, RecipeError
 from ..storage import get_files, materialize, put_files
-from .base import (Stage, check_engine_installed, check_hub, initial_checkpoint, model_id, stage_model, stored,
+from .base import (Stage, check_engine_installed, check_source, initial_checkpoint, model_id, stage_model, stored,
                    task_setup)
 
 logger = logging.getLogger(__name__)
@@ -179,15 +179,11 @@ class EvalStage(Stage):
 
         stems = {}
         for name in recipe.eval.benchmarks:
-            looks_like_file = name.startswith((".", "/", "~")) or name.endswith((".jsonl", ".json", ".parquet"))
-            if name not in BENCHMARKS and looks_like_file and not Path(name).expanduser().exists():
-                raise RecipeError(f"eval.benchmarks: {name!r} is no file (from {Path.cwd()}) and no registered "
-                                  f"benchmark ({sorted(BENCHMARKS)})")
-            if name not in BENCHMARKS and not looks_like_file and not Path(name).exists():
-                check_hub("eval.benchmarks", name)
-            if name in BENCHMARKS or Path(name).expanduser().exists():  # a bad file is named now, not after training
+            local = name if name in BENCHMARKS else check_source(
+                "eval.benchmarks", name, f" and no registered benchmark ({sorted(BENCHMARKS)})")
+            if local is not None:  # a bad file is named now, not after training
                 try:
-                    load_problems(str(Path(name).expanduser()) if name not in BENCHMARKS else name)
+                    load_problems(str(local))
                 except ValueError as error:
                     raise RecipeError(f"eval.benchmarks: {error}") from None
             stem = Path(name).stem  # generations are filed by it

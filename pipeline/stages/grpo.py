@@ -38,7 +38,8 @@ from ..balance import BalanceLossMixin
 from ..data import prompt_dataset
 from ..distributed import world
 from ..metrics import Timer, first_last_means, read_metrics
-from ..models import TRAINING_DTYPE, fsdp_precision, load_model, trainer_options, training_device, uses_fsdp
+from ..models import (TRAINING_DTYPE, fsdp_precision, load_model, trainer_options, training_device,
+                      training_state_bytes, uses_fsdp)
 from ..batching import grpo_batching
 from ..packing import packed_logps
 from ..placement import GRPOPlacement
@@ -368,8 +369,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                                               timeout=recipe.grpo.rewards.timeout),
                             strict=recipe.grpo.rewards.strict_boxed)
     funcs, reward_weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
-    # what this worker's trainer keeps on its GPU while the engines generate: float32 weights, gradients, AdamW
-    trainer_bytes = 16 * sum(p.numel() for p in model.parameters()) // (world()[1] if fsdp else 1)
+    trainer_bytes = training_state_bytes(model) // (world()[1] if fsdp else 1)  # this worker's, while engines generate
     fleet = fleet_factory(trainer_bytes)
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
         engines = _write_engines(out_dir, fleet)
