@@ -515,6 +515,11 @@ def test_fleet_broadcasts_weights_over_a_process_group(model, tokenizer, caplog)
                     expected[1].outputs[0].token_ids
                 assert fleet.restarts == 1
         assert "weight broadcast failed" not in caplog.text  # no sync fell back to the object store
+        # an engine lost after a sync, before the next: that sync asks every member first (a broadcast to a dead
+        # member waits for it), goes through the object store and replaces it
+        ray.kill(fleet.workers[0], no_restart=True)
+        assert fleet.update_weights(policy.state_dict()) == [3, 3] and fleet.restarts == 2
+        assert fleet.update_weights(policy.state_dict()) == [4, 4]  # the group formed anew
         layout = Layout.of(policy.state_dict(), torch.bfloat16, bucket_bytes=4096)
         assert len(layout.buckets) > 1 and sum(len(b) for b in layout.buckets) == len(policy.state_dict())
         fleet.shutdown()

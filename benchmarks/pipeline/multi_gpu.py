@@ -4,6 +4,8 @@ process tree per run), timed from the stages' own logs.
     python -m benchmarks.pipeline.multi_gpu distill --gpus 1 2 4 --out runs/mgpu            # paper-2b's distillation
     python -m benchmarks.pipeline.multi_gpu distill --gpus 4 --preset sse-h-7b --sharding ddp fsdp --out runs/mgpu
     python -m benchmarks.pipeline.multi_gpu same-steps --gpus 1 2 --out runs/mgpu           # one model on 1 and 2 GPUs
+    python -m benchmarks.pipeline.multi_gpu grpo --gpus 1 2 --placement colocated split --out runs/mgpu
+    python -m benchmarks.pipeline.multi_gpu eval --gpus 1 2 --out runs/mgpu
 
 ``distill``: ``recipes/paper-2b``'s distillation with only its step count shrunk (the dry run's settings,
 :data:`scripts.paper_dry_run.DRY_RUN`: random weights of the preset, rows of 32,768 tokens, 16 rows an
@@ -14,6 +16,16 @@ run that fails (out of memory) is a row saying so.
 ``same-steps``: ``recipes/gpu-100m``'s distillation shrunk to 10 steps with ``deterministic=true``, on each GPU
 count: the per-step loss's largest relative difference from the first count's, and the final weights' largest
 difference.
+
+``grpo``: ``recipes/paper-2b``'s GRPO as the dry run shrinks it (8 prompts x 8 rollouts a generation batch, random
+weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most, for each GPU count and
+placement (``colocated``: a trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of
+their own); the second batch's time split (rollout, weight sync, reward, training) and its generated tokens over
+its whole wall-clock (the first batch compiles).
+
+``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
+``--eval-repeats`` samples up to ``--new-tokens`` tokens on each GPU count: the generation's wall-clock (model
+loading and engine start included, as the stage logs it) and generated tokens/s.
 """
 
 from __future__ import annotations
@@ -141,13 +153,112 @@ def same_steps_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def batch_split(run_dir: Path) -> dict:
+    """The last generation batch of a GRPO run: the seconds of its rollout, weight sync, reward and training (its
+    steps' wall-clock less the others) and its generated tokens over its whole wall-clock."""
+    rows = [r for r in read_metrics(run_dir / "grpo" / "metrics.jsonl") if "time/step_s" in r]
+    starts = [i for i, r in enumerate(rows) if "tokens/generated" in r]
+    if len(starts) < 2:
+        return {}
+    batch = rows[starts[-1]:]
+    steps = [r["step"] - p for p, r in zip([rows[starts[-1] - 1]["step"]] + [r["step"] for r in batch], batch)]
+    wall = sum(r["time/step_s"] * n for r, n in zip(batch, steps))
+    split = {name: batch[0].get(f"time/{name}_s", 0.0) * steps[0] for name in ("rollout", "weight_sync", "reward")}
+    generated = batch[0]["tokens/generated"]
+    return {"batch_s": wall, **{f"{k}_s": v for k, v in split.items()}, "train_s": wall - sum(split.values()),
+            "generated": generated, "mean_length": batch[0].get("completions/mean_length"),
+            "generated_per_s": generated / wall}
+
+
+def bench_grpo(args) -> list[dict]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for placement in args.placement:
+        for gpus in args.gpus:
+            if placement == "split" and gpus < 2:
+                continue
+            name = f"grpo-{args.preset}-{placement}-{gpus}gpu"
+            overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
+                         f"grpo.max_completion_length={args.new_tokens}", f"grpo.placement={placement}",
+                         "grpo.save_steps=100", f"output_dir={out / name}", *args.overrides]
+            print(f"{name}: running", flush=True)
+            run = run_stage("grpo", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
+            results.append({"name": name, "gpus": gpus, "placement": placement, **run, **batch_split(out / name)})
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def grpo_table(results: list[dict]) -> str:
+    base = next((r["generated_per_s"] for r in results if r.get("generated_per_s")), None)
+    lines = ["| run | GPUs | placement | batch s | rollout s | weight sync s | reward s | train s | mean length | "
+             "generated tok/s (whole batch) | x first row | peak GiB |", "| --- " * 12 + "|"]
+    for r in results:
+        if r.get("generated_per_s"):
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | {r['batch_s']:.1f} | {r['rollout_s']:.1f} "
+                         f"| {r['weight_sync_s']:.2f} | {r['reward_s']:.2f} | {r['train_s']:.1f} | "
+                         f"{r['mean_length'] or 0:,.0f} | {r['generated_per_s']:,.0f} | "
+                         f"{r['generated_per_s'] / base:.2f} | {r['peak_gib'] or 0:.1f} |")
+        else:
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | failed (exit {r['exit']}): "
+                         f"{r['error'][:160]} |" + " |" * 9)
+    return "\n".join(lines)
+
+
+def bench_eval(args) -> list[dict]:
+    import re
+
+    from common.files import read_text
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for gpus in args.gpus:
+        name = f"eval-{args.preset}-{gpus}gpu"
+        overrides = [*DRY_RUN, f"model.preset={args.preset}", f"eval.limit={args.eval_limit}",
+                     f"eval.repeats={args.eval_repeats}", f"eval.max_new_tokens={args.new_tokens}",
+                     f"output_dir={out / name}", *args.overrides]
+        print(f"{name}: running", flush=True)
+        log = out / f"{name}.log"
+        run = run_stage("eval", "paper-2b", overrides, gpus, log, args.timeout)
+        found = re.search(r"generations in (\d+) s", log.read_text(errors="replace"))
+        row = {"name": name, "gpus": gpus, **run}
+        summaries = list((out / name / "eval").rglob("summary.json"))
+        if found and summaries:
+            benchmarks = json.loads(read_text(summaries[0]))["benchmarks"]
+            generated = sum(b["problems"] * b["repeats"] * b["mean_length"] for b in benchmarks.values())
+            row.update(generate_s=float(found.group(1)), generated=generated,
+                       generated_per_s=generated / float(found.group(1)))
+        results.append(row)
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def eval_table(results: list[dict]) -> str:
+    base = next((r["generated_per_s"] for r in results if r.get("generated_per_s")), None)
+    lines = ["| run | GPUs | generation s | generated tokens | tok/s | x first row | stage s | peak GiB |",
+             "| --- " * 8 + "|"]
+    for r in results:
+        if r.get("generated_per_s"):
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['generate_s']:.0f} | {r['generated']:,.0f} | "
+                         f"{r['generated_per_s']:,.0f} | {r['generated_per_s'] / base:.2f} | {r['seconds']:.0f} | "
+                         f"{r['peak_gib'] or 0:.1f} |")
+        else:
+            lines.append(f"| {r['name']} | {r['gpus']} | failed (exit {r['exit']}): {r['error'][:160]} |" + " |" * 5)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("distill", "same-steps"))
+    parser.add_argument("what", choices=("distill", "same-steps", "grpo", "eval"))
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--preset", default="sse-h-2b")
     parser.add_argument("--sharding", nargs="+", default=["auto"], choices=("auto", "ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=3, help="distill: optimizer steps a run (the first is not timed)")
+    parser.add_argument("--placement", nargs="+", default=["colocated", "split"], choices=("colocated", "split"))
+    parser.add_argument("--new-tokens", type=int, default=4096, help="grpo, eval: tokens a completion may take")
+    parser.add_argument("--eval-limit", type=int, default=8, help="eval: AIME24 problems")
+    parser.add_argument("--eval-repeats", type=int, default=8, help="eval: samples a problem")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     parser.add_argument("--out", default="runs/multi-gpu")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides of every run")
@@ -155,10 +266,9 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    if args.what == "distill":
-        table = distill_table(bench_distill(args))
-    else:
-        table = same_steps_table(bench_same_steps(args))
+    bench, table_of = {"distill": (bench_distill, distill_table), "same-steps": (bench_same_steps, same_steps_table),
+                       "grpo": (bench_grpo, grpo_table), "eval": (bench_eval, eval_table)}[args.what]
+    table = table_of(bench(args))
     text = f"{args.what} on {device} ({' '.join(sys.argv[1:])})\n\n{table}\n"
     print(text)
     (Path(args.out) / f"{args.what}.md").write_text(text)

@@ -199,6 +199,7 @@ class EngineFleet:
         holds it. A state dict sharded over data-parallel workers (FSDP's DTensors) is gathered one tensor at a time
         into host memory first (a collective: every worker syncs its engines at the same step), so no GPU holds a
         second whole copy and a replacement engine can be given the weights without the other workers."""
+        self._replace_dead()
         self._version += 1
         if any(isinstance(v, DTensor) for v in state_dict.values()):
             if self._dtypes is None:
@@ -228,6 +229,16 @@ class EngineFleet:
                 self._replace(i, error)
                 versions.append(self._version)
         return versions
+
+    def _replace_dead(self) -> None:
+        """Replaces the engines that died since the last call, with the weights they last had: a broadcast would
+        wait for a dead member until the group's timeout, and the other ways would fail on it."""
+        pings = [w.get_stats.remote() for w in self.workers]
+        for i, ping in enumerate(pings):
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as error:
+                self._replace(i, error)
 
     def _share(self, state_dict) -> list[int]:
         from .weight_sync import share

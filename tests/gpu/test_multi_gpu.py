@@ -1,12 +1,19 @@
 """What only several GPUs of one machine show: each data-parallel worker on its own GPU (the model and a
 converted model's teacher), CUDA IPC from trainer workers whose GPU index differs in the engine's process, weight
-sync timed to completion, FSDP's gathered weights in the engines and the final model.
+sync timed to completion, FSDP's gathered weights in the engines and the final model, and workers killed on GPUs
+(a trainer worker: the stage stops at once, not after NCCL's timeout, and a re-run resumes; an engine: replaced).
 ``pytest -s tests/gpu/test_multi_gpu.py`` on a machine of 2 GPUs or more (ray, trl, datasets and math-verify on the
 path; NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 in the environment)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +92,77 @@ def test_fsdp_distillation_and_grpo_on_two_gpus(tmp_path):
     engine = Engine(final.cuda(), None, max_slots=2, max_model_len=64)
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def _ray_processes(title: str) -> list[int]:
+    """The processes whose title is Ray's ``ray::<title>...`` (Ray names an actor's process by its class)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(f"ray::{title}".encode()):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _start(stage: str, overrides: list[str], log: Path) -> subprocess.Popen:
+    """``sse-pipeline <stage> gpu-100m ...`` as a user starts it, in a process of its own."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", stage, "gpu-100m", *overrides],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for_step(run: subprocess.Popen, metrics: Path, step: int, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        assert run.poll() is None, f"the run ended (exit {run.returncode}) before step {step}"
+        if any(r.get("step", 0) >= step for r in read_metrics(metrics)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {metrics} after {timeout_s} s")
+
+
+def test_a_killed_trainer_worker_stops_distillation_at_once_and_a_rerun_resumes(tmp_path):
+    """A data-parallel worker SIGKILLed mid-run on 2 GPUs: its peer waits in an NCCL collective, yet the stage ends
+    within a minute (not the process group's 10-minute timeout) naming the command that resumes it; that command
+    resumes from the last complete checkpoint and finishes."""
+    overrides = [f"output_dir={tmp_path / 'run'}", *SMALL, "distill.max_steps=60", "distill.save_steps=4",
+                 "distill.logging_steps=1", "eval.enabled=false"]
+    metrics = tmp_path / "run" / "distill" / "metrics.jsonl"
+    run = _start("distill", overrides, tmp_path / "first.log")
+    try:
+        _wait_for_step(run, metrics, 6)
+        (victim, *_) = sorted(_ray_processes("TrainWorker"), reverse=True)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.time()
+        run.wait(timeout=120)
+    finally:
+        run.kill()
+    log = (tmp_path / "first.log").read_text(errors="replace")
+    assert run.returncode != 0 and time.time() - killed < 90, log[-3000:]
+    assert "a data-parallel training worker failed" in log and "again to resume" in log, log[-3000:]
+    again = _start("distill", overrides, tmp_path / "second.log")
+    assert again.wait(timeout=600) == 0, (tmp_path / "second.log").read_text(errors="replace")[-3000:]
+    assert "distill: resuming from" in (tmp_path / "second.log").read_text(errors="replace")
+    steps = [r["step"] for r in read_metrics(metrics) if "loss" in r]
+    assert steps == list(range(1, 61)), steps  # each step once: the resumed run's records replace the killed one's
+
+
+def test_a_killed_engine_is_replaced_and_grpo_goes_on(tmp_path):
+    """GRPO split on 2 GPUs (a trainer GPU, an engine GPU, weights by NCCL broadcast): the engine's process
+    SIGKILLed while it generates; the fleet starts a replacement on the freed GPU, gives it the weights (the
+    broadcast group formed anew) and resubmits its requests; the run finishes."""
+    overrides = [f"output_dir={tmp_path}", *SMALL, "grpo.placement=split", "grpo.steps=6", "grpo.prompts_per_batch=4",
+                 "grpo.save_steps=100", "grpo.max_completion_length=192"]
+    run = _start("grpo", overrides, tmp_path / "grpo.log")
+    try:
+        _wait_for_step(run, tmp_path / "grpo" / "metrics.jsonl", 2)
+        (victim,) = _ray_processes("RolloutWorker")
+        os.kill(victim, signal.SIGKILL)
+        assert run.wait(timeout=600) == 0, (tmp_path / "grpo.log").read_text(errors="replace")[-3000:]
+    finally:
+        run.kill()
+    log = (tmp_path / "grpo.log").read_text(errors="replace")
+    assert "rollout engine 0 died" in log and "replacing it (1 of at most 3)" in log, log[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r] == list(range(1, 7))
