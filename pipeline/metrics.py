@@ -30,6 +30,10 @@ class Timer:
     def count(self, name: str, value: float) -> None:
         self.counts[name] = self.counts.get(name, 0.0) + value
 
+    def set(self, name: str, value: float) -> None:
+        """A value that the next log shows as it was last (a staleness, a fraction), not summed."""
+        self.counts[name] = value
+
     def take(self) -> tuple[dict, dict]:
         spans, counts = self.spans, self.counts
         self.spans, self.counts = {}, {}
@@ -82,7 +86,8 @@ class MetricsLogger(TrainerCallback):
                 record["time/train_s"] = max(0.0, elapsed - sum(spans.values())) / steps
         for name, value in counts.items():
             record[name] = value
-        if "tokens/generated" in counts and spans.get("rollout"):
+        # (generating ahead, the rollout span is the trainer's wait, not the engines' generation)
+        if "tokens/generated" in counts and spans.get("rollout") and "async/staleness" not in counts:
             record["tokens/generated_per_s"] = counts["tokens/generated"] / spans["rollout"]
         if self.extra is not None:
             record.update(self.extra())

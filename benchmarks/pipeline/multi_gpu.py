@@ -20,7 +20,8 @@ difference.
 ``grpo``: ``recipes/paper-2b``'s GRPO as the dry run shrinks it (8 prompts x 8 rollouts a generation batch, random
 weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most, for each GPU count and
 placement (``colocated``: a trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of
-their own); the second batch's time split (rollout, weight sync, reward, training) and its generated tokens over
+their own) and ``--staleness`` (1: the engines generate the next batch while the trainers train, split only); the
+second batch's time split (rollout, weight sync, reward, training) and its generated tokens over
 its whole wall-clock (the first batch compiles).
 
 ``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
@@ -174,34 +175,38 @@ def bench_grpo(args) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for placement in args.placement:
-        for gpus in args.gpus:
-            if placement == "split" and gpus < 2:
-                continue
-            name = f"grpo-{args.preset}-{placement}-{gpus}gpu"
-            overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
-                         f"grpo.max_completion_length={args.new_tokens}", f"grpo.placement={placement}",
-                         "grpo.save_steps=100", f"output_dir={out / name}", *args.overrides]
-            print(f"{name}: running", flush=True)
-            run = run_stage("grpo", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
-            results.append({"name": name, "gpus": gpus, "placement": placement, **run, **batch_split(out / name)})
-            print(json.dumps(results[-1]), flush=True)
+    for staleness in args.staleness:
+        for placement in args.placement:
+            for gpus in args.gpus:
+                if placement == "split" and gpus < 2 or staleness and placement == "colocated":
+                    continue  # (generating ahead needs engines of their own)
+                name = f"grpo-{args.preset}-{placement}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "")
+                overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
+                             f"grpo.max_completion_length={args.new_tokens}", f"grpo.placement={placement}",
+                             f"grpo.max_staleness={staleness}", "grpo.save_steps=100", f"output_dir={out / name}",
+                             *args.overrides]
+                print(f"{name}: running", flush=True)
+                run = run_stage("grpo", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
+                results.append({"name": name, "gpus": gpus, "placement": placement, "staleness": staleness, **run,
+                                **batch_split(out / name)})
+                print(json.dumps(results[-1]), flush=True)
     return results
 
 
 def grpo_table(results: list[dict]) -> str:
     base = next((r["generated_per_s"] for r in results if r.get("generated_per_s")), None)
-    lines = ["| run | GPUs | placement | batch s | rollout s | weight sync s | reward s | train s | mean length | "
-             "generated tok/s (whole batch) | x first row | peak GiB |", "| --- " * 12 + "|"]
+    lines = ["| run | GPUs | placement | ahead | batch s | rollout (trainer waits) s | weight sync s | reward s | "
+             "train s | mean length | generated tok/s (whole batch) | x first row | peak GiB |", "| --- " * 13 + "|"]
     for r in results:
         if r.get("generated_per_s"):
-            lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | {r['batch_s']:.1f} | {r['rollout_s']:.1f} "
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | {r['staleness']} | {r['batch_s']:.1f} | "
+                         f"{r['rollout_s']:.1f} "
                          f"| {r['weight_sync_s']:.2f} | {r['reward_s']:.2f} | {r['train_s']:.1f} | "
                          f"{r['mean_length'] or 0:,.0f} | {r['generated_per_s']:,.0f} | "
                          f"{r['generated_per_s'] / base:.2f} | {r['peak_gib'] or 0:.1f} |")
         else:
-            lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | failed (exit {r['exit']}): "
-                         f"{r['error'][:160]} |" + " |" * 9)
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | {r['staleness']} | failed (exit "
+                         f"{r['exit']}): {r['error'][:160]} |" + " |" * 8)
     return "\n".join(lines)
 
 
@@ -256,6 +261,8 @@ def main() -> None:
     parser.add_argument("--sharding", nargs="+", default=["auto"], choices=("auto", "ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=3, help="distill: optimizer steps a run (the first is not timed)")
     parser.add_argument("--placement", nargs="+", default=["colocated", "split"], choices=("colocated", "split"))
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0], choices=(0, 1),
+                        help="grpo: grpo.max_staleness values (1: the engines generate a batch ahead; split only)")
     parser.add_argument("--new-tokens", type=int, default=4096, help="grpo, eval: tokens a completion may take")
     parser.add_argument("--eval-limit", type=int, default=8, help="eval: AIME24 problems")
     parser.add_argument("--eval-repeats", type=int, default=8, help="eval: samples a problem")

@@ -4,6 +4,8 @@ replaces an engine that dies."""
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -29,13 +31,16 @@ class RolloutWorker:
             model = str(materialize(model))
         self.engine = create_engine(model, tokenizer, **engine_kwargs)
         self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
+        self.busy_s = 0.0  # seconds spent generating (the rest of its life it waited for the trainer)
         if sleep_between_calls:  # and until the first: the trainer loads its model after the engines start
             self.engine.sleep()
 
     def generate(self, prompts, sampling_params) -> list[RequestOutput]:
+        start = time.perf_counter()
         outputs = self.engine.generate(prompts, sampling_params)
         if self.sleep_between_calls:
             self.engine.sleep()
+        self.busy_s += time.perf_counter() - start
         return outputs
 
     def _updated(self) -> int:
@@ -85,7 +90,8 @@ class RolloutWorker:
         return {k: v.dtype for k, v in model.state_dict().items()} if isinstance(model, torch.nn.Module) else {}
 
     def get_stats(self) -> dict:
-        return {**self.engine.get_stats(), "node": ray.get_runtime_context().get_node_id(), "source": self.source}
+        return {**self.engine.get_stats(), "node": ray.get_runtime_context().get_node_id(), "source": self.source,
+                "busy_s": self.busy_s}
 
     def capacity(self, seq_len: int | None = None) -> int:
         return self.engine.capacity(seq_len)
@@ -110,6 +116,18 @@ def _put(state_dict, dtypes: dict | None = None) -> ray.ObjectRef:
     the host, store and load, and the same values the engine's own cast would give."""
     dtypes = dtypes or {}
     return ray.put({k: v.detach().to(dtypes.get(k, v.dtype)).cpu() for k, v in state_dict.items()})
+
+
+@dataclass
+class Generation:
+    """A generation submitted to a fleet: its requests, each engine's share and the futures not yet collected, and
+    the weight version the engines generate it with."""
+
+    prompts: list
+    params: list[SamplingParams]
+    shards: list[list[int]]
+    pending: dict
+    weights_version: int
 
 
 class EngineFleet:
@@ -147,6 +165,7 @@ class EngineFleet:
         # whose tensors do not change while the fleet generates (the trainer waits for the rollout)
         self._weights, self._source, self._version = None, None, 0
         self._dtypes: dict | None = None  # the engines' weight dtypes, asked once (object-store sync)
+        self.busy_s = 0.0  # the engines' seconds spent generating, summed, as of the last sync
         self.workers = [self._start(i) for i in range(num_engines)]
 
     def _start(self, i: int):
@@ -158,24 +177,37 @@ class EngineFleet:
         return actor.remote(*self._args, **self._kwargs)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        return self.collect(self.submit(prompts, sampling_params))
+
+    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams]) -> Generation:
+        """Starts a generation and returns at once (the engines serve their calls in order, a weight sync included):
+        the trainer trains while the engines generate, and :meth:`collect` takes the results."""
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         shards = [list(range(i, len(prompts), len(self.workers))) for i in range(len(self.workers))]
+        generation = Generation(prompts, params, shards, {}, self._version)
+        generation.pending = {i: self._submit_shard(generation, i) for i, idx in enumerate(shards) if idx}
+        return generation
 
-        def submit(i):
-            return self.workers[i].generate.remote([prompts[j] for j in shards[i]], [params[j] for j in shards[i]])
+    def _submit_shard(self, generation: Generation, i: int):
+        shard = generation.shards[i]
+        return self.workers[i].generate.remote([generation.prompts[j] for j in shard],
+                                               [generation.params[j] for j in shard])
 
-        pending = {i: submit(i) for i, idx in enumerate(shards) if idx}
-        results: list[RequestOutput | None] = [None] * len(prompts)
+    def collect(self, generation: Generation) -> list[RequestOutput]:
+        """The results of :meth:`submit`'s generation, in request order; an engine that died meanwhile is replaced
+        and its share submitted again."""
+        results: list[RequestOutput | None] = [None] * len(generation.prompts)
+        pending = generation.pending
         while pending:
             i, future = next(iter(pending.items()))
             try:
                 outs = ray.get(future)
             except ray.exceptions.RayActorError as error:
                 self._replace(i, error)
-                pending[i] = submit(i)
+                pending[i] = self._submit_shard(generation, i)
                 continue
             del pending[i]
-            for j, out in zip(shards[i], outs):
+            for j, out in zip(generation.shards[i], outs):
                 results[j] = out
         return results  # type: ignore[return-value]
 
@@ -234,11 +266,13 @@ class EngineFleet:
         """Replaces the engines that died since the last call, with the weights they last had: a broadcast would
         wait for a dead member until the group's timeout, and the other ways would fail on it."""
         pings = [w.get_stats.remote() for w in self.workers]
+        busy = 0.0
         for i, ping in enumerate(pings):
             try:
-                ray.get(ping)
+                busy += ray.get(ping)["busy_s"]
             except ray.exceptions.RayActorError as error:
                 self._replace(i, error)
+        self.busy_s = busy
 
     def _share(self, state_dict) -> list[int]:
         from .weight_sync import share

@@ -47,6 +47,7 @@ from ..recipe import MAX_SAMPLING_ROUNDS, Recipe, RecipeError
 from .base import (Stage, callbacks, check_data_source, check_engine_installed, done, finish, fit, hand_on,
                    initial_checkpoint, record_start, stored, task_setup)
 from ..rollout import SamplingParams
+from .prompt_stream import PromptStream
 from .rollout_batch import concat_batches, engine_correction, informative_groups, select_groups
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class SSEGRPOConfig(GRPOConfig):
         "help": "Log-prob and loss passes run on packed rows of real tokens (no padding, no dense attention mask)."})
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "Tokens in one packed forward at most; default: as many as the padded micro-batch would hold."})
+    max_staleness: int = field(default=0, metadata={
+        "help": "Generation batches the engines generate ahead of the trainer (0 or 1)."})
 
 
 class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
@@ -188,47 +191,110 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         self.sampling_round = 0  # each round of dynamic sampling samples with its own seeds
         self._synced_step: int | None = None
         self.accuracy_reward = next((f for f in self.reward_funcs if getattr(f, "__name__", "") == "accuracy"), None)
+        # asynchronous GRPO: the generations submitted ahead, by generation batch, and the one being scored
+        self._ahead: dict[int, tuple] = {}
+        self._ready: list | None = None
+        self._busy_at: tuple[float, float] | None = None  # (time, the engines' busy seconds) at the last sync
+        if self.args.max_staleness:
+            self.prompts = PromptStream(len(self.train_dataset), self.args.per_device_train_batch_size
+                                        * self.args.steps_per_generation // self.num_generations * self.accelerator.num_processes,
+                                        self.args.seed, self.accelerator.process_index, self.accelerator.num_processes)
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps one generation batch trains (its mini-batches, each pass over it)."""
+        return self.args.steps_per_generation // self.args.gradient_accumulation_steps * self.args.num_iterations
 
     def sync_weights(self) -> None:
-        """Pushes the policy to the engines once per optimizer step (before the step's first rollout)."""
+        """Pushes the policy to the engines once per optimizer step (before the step's first rollout); logs the
+        share of the time since the last sync that the engines spent generating."""
         if self._synced_step == self.state.global_step:
             return
         start = time.perf_counter()
         self.fleet.update_weights(self.model.state_dict())
-        self.timer.add("weight_sync", time.perf_counter() - start)
+        now = time.perf_counter()
+        self.timer.add("weight_sync", now - start)
         self._synced_step = self.state.global_step
+        busy = getattr(self.fleet, "busy_s", None)
+        if busy is not None:
+            if self._busy_at is not None and now > self._busy_at[0]:
+                engines = len(self.fleet.workers)
+                self.timer.set("engines/busy_fraction",
+                                 max(0.0, busy - self._busy_at[1]) / ((now - self._busy_at[0]) * engines))
+            self._busy_at = (now, busy)
 
-    def rollout(self, prompts: list) -> dict:
-        """One completion per entry of ``prompts``, which TRL's sampler lays out as groups of ``num_generations``
-        copies of a prompt: each group is one engine request with ``n`` samples, so its prompt is prefilled once and
-        forked."""
-        start = time.perf_counter()
+    def _requests(self, prompts: list, key: int) -> tuple[list, list]:
+        """The engine requests of ``prompts``, which TRL's sampler lays out as groups of ``num_generations`` copies
+        of a prompt: each group is one request with ``n`` samples, so its prompt is prefilled once and forked."""
         args, tokenizer = self.args, self.processing_class
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                  if isinstance(p, list) else p for p in prompts]
         groups = prompt_groups(texts, self.num_generations)
-        key = sampling_key(self.state.global_step, self.sampling_round)
         first = self.accelerator.process_index * len(groups)  # this worker's groups in the whole generation batch
         params = [SamplingParams(n=len(g), temperature=args.temperature, top_p=args.top_p,
                                  max_tokens=args.max_completion_length, seed=rollout_seed(args.seed, key, first + i),
                                  logprobs=True) for i, g in enumerate(groups)]
         prompt_ids = [tokenizer(texts[g[0]], add_special_tokens=False)["input_ids"][-args.max_prompt_length:]
                       for g in groups]
-        if getattr(self.fleet, "sleeps", False) and torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the colocated engine plans its memory from what is free when it wakes
+        return prompt_ids, params
+
+    def rollout(self, prompts: list) -> dict:
+        """One completion per entry of ``prompts``: generated now, or (asynchronous GRPO) collected from the
+        generation submitted ahead for these prompts."""
+        start = time.perf_counter()
+        if self._ready is not None:
+            outputs, self._ready = self._ready, None
+        else:
+            prompt_ids, params = self._requests(prompts, sampling_key(self.state.global_step, self.sampling_round))
+            if getattr(self.fleet, "sleeps", False) and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the colocated engine plans its memory from what is free when it wakes
+            outputs = self.fleet.generate(prompt_ids, params)
+            self.timer.add("rollout", time.perf_counter() - start)
         result = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for out in self.fleet.generate(prompt_ids, params):
+        for out in outputs:
             for completion in out.outputs:
                 result["prompt_ids"].append(out.prompt_token_ids)
                 result["completion_ids"].append(completion.token_ids)
                 result["logprobs"].append(completion.logprobs)
-        self.timer.add("rollout", time.perf_counter() - start)
         self.timer.count("tokens/generated", sum(len(c) for c in result["completion_ids"]))
         return result
 
+    def _batch_ahead(self, j: int) -> list[dict]:
+        """Generation batch ``j``'s rows for this worker (:class:`PromptStream`), each ``num_generations`` times."""
+        return [self.train_dataset[i] for i in self.prompts.rows(j) for _ in range(self.num_generations)]
+
+    def _collect_ahead(self) -> list[dict]:
+        """Asynchronous GRPO: collects this generation batch (submitted one batch earlier, or now after a start or
+        a resume), syncs the weights, submits the next batch, and returns this one's rows for TRL to score; the
+        engines generate the next batch while the trainer trains on this one."""
+        j = self.state.global_step // self.steps_per_batch
+        last = -(-self.state.max_steps // self.steps_per_batch) - 1
+        if j not in self._ahead:  # the first batch of a run or of a resume: nothing was generated ahead
+            self.sync_weights()
+            self._submit_ahead(j)
+        generation, rows, submitted_at = self._ahead.pop(j)
+        start = time.perf_counter()
+        self._ready = self.fleet.collect(generation)
+        self.timer.add("rollout", time.perf_counter() - start)  # the trainer waiting for the engines
+        self.timer.set("async/staleness", (self.state.global_step - submitted_at) / self.steps_per_batch)
+        self.timer.set("async/weights_version", generation.weights_version)
+        if j < last:
+            self.sync_weights()
+            self._submit_ahead(j + 1)
+        return rows
+
+    def _submit_ahead(self, j: int) -> None:
+        rows = self._batch_ahead(j)
+        key = sampling_key(j * self.steps_per_batch, 0)  # the seeds the synchronous run gives this batch
+        prompt_ids, params = self._requests([r["prompt"] for r in rows], key)
+        self._ahead[j] = (self.fleet.submit(prompt_ids, params), rows, self.state.global_step)
+
     def _generate_and_score_completions(self, inputs):
-        self.sync_weights()
         self.sampling_round = 0
+        if self.args.max_staleness and self.model.training:
+            inputs = self._collect_ahead()  # TRL's sampler's draw is not used: the engines started before it came
+        else:
+            self.sync_weights()
         batch = super()._generate_and_score_completions(inputs)
         if self.args.dynamic_sampling and self.model.training:
             batch = self._dynamic_sampling(inputs, batch)
@@ -460,6 +526,10 @@ class GRPOStage(Stage):
             raise RecipeError(f"grpo.weight_sync: cuda_ipc opens the trainer's GPU memory in engines on the same GPU "
                               f"(grpo.placement colocated); this run places them {mode}: use broadcast for engines "
                               "on GPUs of their own, object_store on CPU")
+        if recipe.grpo.max_staleness and mode == "colocated":
+            raise RecipeError("grpo.max_staleness: generating ahead overlaps the engines with the trainers, which "
+                              "colocated engines cannot (they share the trainer's GPU and sleep while it trains); "
+                              "use grpo.placement: split")
         if sync == "broadcast" and mode == "colocated":
             raise RecipeError("grpo.weight_sync: broadcast needs engines on GPUs of their own (NCCL pairs one process "
                               "per GPU); with the engines on the trainer's GPU use cuda_ipc or object_store")
