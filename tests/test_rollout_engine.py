@@ -615,16 +615,28 @@ def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
     float32 forward's log-probabilities of its own samples, so what it reports for bf16 is bf16's alone."""
     import copy
 
-    from benchmarks.rollout.bench_numerics import measure
+    from benchmarks.rollout.bench_numerics import measure, sse_layers
 
     torch.manual_seed(5)
     config = SSEConfig.from_preset("sse-h-tiny", max_position_embeddings=512)
     trainer = SSEForCausalLM(config).eval()
     engine = Engine(copy.deepcopy(trainer), None, max_slots=1, max_model_len=512, prefill_chunk_size=64,
                     use_cuda_graphs=False)
-    row = measure(trainer, engine, 200, 12, torch.device("cpu"), seed=1)
+    row = measure(trainer, engine, 200, 12, torch.device("cpu"), seed=1, routing=True)
     assert row["tokens"] == 12 and row["trainer_fp32"] == 0.0  # no autocast on the CPU: the trainer is float32
     assert row["engine_fp32"] == row["mean"] < 1e-4
+    # every position routed alike (prefill chunks and decode steps against one forward), and the records closed
+    assert row["prompt_flips"] == row["sampled_flips"] == row["tokens_flipped"] == 0.0
+    assert all(layer.routing_record is None for layer in sse_layers(trainer) + sse_layers(engine.model))
+
+
+def test_a_routing_flip_is_a_different_set_of_partitions_not_another_order():
+    from benchmarks.rollout.bench_numerics import flips
+
+    engine = torch.tensor([[[0, 1], [2, 3], [1, 0]]])  # [layers, positions, k]: writers 1, readers 2
+    trainer = torch.tensor([[[0, 1], [3, 2], [1, 2]]])
+    assert flips(engine, trainer, writers=1, readers=2).tolist() == [[False, True, True]]
+    assert flips(engine, trainer, writers=2, readers=2).tolist() == [[False, False, True]]
 
 
 def test_generation_stops_at_every_end_the_checkpoint_names(tokenizer):

@@ -9,6 +9,11 @@ engine: its skip connections in the weights' dtype, or in float32 as the trainer
 Beside them, how far each is from the same weights computed in float32 throughout (no autocast): the gap two
 bf16 computations of one model leave between them is what neither can close alone. Random weights.
 
+Routing: each SSE layer's top-k partition choice at every position, engine (chunked prefill, then one decode step a
+token) against trainer: the share of (token, layer) pairs whose write or read partitions differ, over the prompt and
+over the sampled tokens' inputs; the share of sampled tokens with a flip in any layer; and the mean |logp gap| of
+sampled tokens with and without one: if flips carry the gap, replaying the engine's choices in the trainer closes it.
+
     python -m benchmarks.rollout.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
     python -m benchmarks.rollout.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
 """
@@ -35,22 +40,70 @@ def trainer_logprobs(model, ids: list[int], start: int, device: torch.device, au
     return torch.log_softmax(logits, -1).gather(-1, x[0, start:, None]).squeeze(-1).cpu()
 
 
-def measure(trainer_model, engine: Engine, position: int, new_tokens: int, device: torch.device, seed: int) -> dict:
+def sse_layers(model) -> list:
+    from sse_model.layers.sse import SSEAttention
+
+    return [m for m in model.modules() if isinstance(m, SSEAttention)]
+
+
+def recording(model) -> list[list]:
+    """Starts each SSE layer's record of its partition choices; the records, a list per layer."""
+    records = []
+    for layer in sse_layers(model):
+        layer.routing_record = []
+        records.append(layer.routing_record)
+    return records
+
+
+def routing_choices(records: list[list], positions: int) -> torch.Tensor:
+    """``[layers, positions, k]``: each layer's calls (prefill chunks, decode steps, or one forward) laid end to end."""
+    choices = torch.stack([torch.cat([t.reshape(-1, t.shape[-1]) for t in calls]) for calls in records]).cpu()
+    if choices.shape[1] < positions:
+        raise RuntimeError(f"{choices.shape[1]} routed positions recorded, {positions} expected")
+    return choices[:, :positions]
+
+
+def flips(engine: torch.Tensor, trainer: torch.Tensor, writers: int, readers: int) -> torch.Tensor:
+    """``[layers, positions]``: where the write set or the read set of partitions differs (the order within a set
+    does not matter to the layer)."""
+    def differ(k):
+        return (engine[..., :k].sort(-1).values != trainer[..., :k].sort(-1).values).any(-1)
+    return differ(writers) | differ(readers)
+
+
+def measure(trainer_model, engine: Engine, position: int, new_tokens: int, device: torch.device, seed: int,
+            routing: bool = False) -> dict:
     vocab = trainer_model.config.vocab_size
     prompt = torch.randint(0, vocab, (position,), generator=torch.Generator().manual_seed(seed)).tolist()
+    engine_records = recording(engine.model) if routing else None
     start = time.perf_counter()
     out = engine.generate(prompt, SamplingParams(max_tokens=new_tokens, seed=seed, ignore_eos=True))[0].outputs[0]
     engine_s = time.perf_counter() - start
     engine_logps = torch.tensor(out.logprobs)
+    trainer_records = recording(trainer_model) if routing else None
     trainer_logps = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device)
+    for layer in sse_layers(trainer_model) + (sse_layers(engine.model) if routing else []):
+        layer.routing_record = None
     reference = trainer_logprobs(trainer_model, prompt + out.token_ids, position, device, autocast=False)
     gap = (engine_logps - trainer_logps).abs()
     ratio = (trainer_logps - engine_logps).exp()
-    return {"position": position, "tokens": len(gap), "mean": gap.mean().item(), "max": gap.max().item(),
-            "engine_fp32": (engine_logps - reference).abs().mean().item(),
-            "trainer_fp32": (trainer_logps - reference).abs().mean().item(),
-            "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
-            "outside": ((ratio > 2) | (ratio < 0.5)).float().mean().item(), "engine_s": engine_s}
+    row = {"position": position, "tokens": len(gap), "mean": gap.mean().item(), "max": gap.max().item(),
+           "engine_fp32": (engine_logps - reference).abs().mean().item(),
+           "trainer_fp32": (trainer_logps - reference).abs().mean().item(),
+           "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+           "outside": ((ratio > 2) | (ratio < 0.5)).float().mean().item(), "engine_s": engine_s}
+    if routing:  # the sampled token i is scored from the model's output at position position - 1 + i
+        routed = position + len(gap) - 1  # the engine never runs the last sampled token
+        cfg = trainer_model.config
+        flipped = flips(routing_choices(engine_records, routed), routing_choices(trainer_records, routed),
+                        cfg.num_writers, cfg.num_readers)
+        scored = flipped[:, position - 1:]
+        any_layer = scored.any(0)
+        row.update(prompt_flips=flipped[:, :position - 1].float().mean().item() if position > 1 else 0.0,
+                   sampled_flips=scored.float().mean().item(), tokens_flipped=any_layer.float().mean().item(),
+                   gap_flipped=gap[any_layer].mean().item() if any_layer.any() else float("nan"),
+                   gap_unflipped=gap[~any_layer].mean().item() if not any_layer.all() else float("nan"))
+    return row
 
 
 def main() -> None:
@@ -63,6 +116,7 @@ def main() -> None:
                         help="the engine's residual stream: the weights' dtype, or float32 (engine residual_dtype)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing", action="store_true", help="also where engine and trainer route tokens apart")
     args = parser.parse_args()
     from sse_model import SSEConfig, SSEForCausalLM
 
@@ -80,8 +134,8 @@ def main() -> None:
         engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
                         prefill_chunk_size=8192, use_cuda_graphs=False,
                         residual_dtype=torch.float32 if residual == "float32" else None)
-        rows += [{"residual": residual, **measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i)}
-                 for i, p in enumerate(args.positions)]
+        rows += [{"residual": residual, **measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i,
+                                                  args.routing)} for i, p in enumerate(args.positions)]
         del engine, engine_model
     print(f"\n{args.preset}: engine {args.engine_dtype} vs trainer float32 weights"
           f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
@@ -93,6 +147,13 @@ def main() -> None:
         print(f"| {r['residual']} | {r['position']} | {r['mean']:.2e} | {r['max']:.2e} | {r['ratio_mean']:.3f} "
               f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | {r['outside']:.1%} | {r['engine_fp32']:.2e} "
               f"| {r['trainer_fp32']:.2e} | {r['engine_s']:.2f} |")
+    if args.routing:
+        print("\n| engine residual | position | (token, layer) flipped, prompt | (token, layer) flipped, sampled "
+              "| sampled tokens with a flip | mean abs logp gap, flipped tokens | mean abs logp gap, the others |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['residual']} | {r['position']} | {r['prompt_flips']:.3%} | {r['sampled_flips']:.3%} "
+                  f"| {r['tokens_flipped']:.1%} | {r['gap_flipped']:.2e} | {r['gap_unflipped']:.2e} |")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,10 @@ class SSEAttention(nn.Module):
             self.dt_bias = nn.Parameter(torch.zeros(2 * H))
             init_gdn_decay(self.A_log, self.dt_bias)
         self.e_proj = Linear(hidden, self.num_sparse_partitions, bias=False)
+        # a list to append each call's partition choice to (``[B, T, max(Kw, Kr)]``): where an engine and a trainer
+        # route a token differently (benchmarks/rollout/bench_numerics.py); eager calls only (a CUDA graph's replay
+        # runs no Python)
+        self.routing_record: list | None = None
         if config.use_short_conv:
             self.q_conv1d_shared = ShortConvolution(H * K, config.conv_size)
             self.k_conv1d_shared = ShortConvolution(H * K, config.conv_size)
@@ -194,6 +198,8 @@ class SSEAttention(nn.Module):
         v = zero_padding(v, mask)
 
         routing = route_tokens(router_logits, cfg.num_writers, cfg.num_readers)
+        if self.routing_record is not None:
+            self.routing_record.append(routing.topk.detach())
         if pool is not None:  # one token per sequence, partitions updated in place
             token = Routing(routing.probs[:, 0], routing.topk[:, 0], routing.num_writers, routing.num_readers)
             o = sse_decode(*pool, _first(shared), _first(sparse), v[:, 0], token, self.options,
