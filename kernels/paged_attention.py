@@ -32,7 +32,7 @@ def _paged_decode_kernel(
     q, pool_k, pool_v, tables, lengths, slots, o, part_m, part_l, scale, H,
     sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -64,6 +64,8 @@ def _paged_decode_kernel(
         k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
         if F32:
             k = k.to(tl.float32)
+        elif FP8:  # float8 keys and values: widened to the queries' dtype in registers
+            k = k.to(q_tile.dtype)
         s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -73,6 +75,8 @@ def _paged_decode_kernel(
         v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
         if F32:
             v = v.to(tl.float32)
+        elif FP8:
+            v = v.to(q_tile.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
@@ -113,7 +117,7 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
                            tokens_per_step: int = 64, splits: int | None = None,
                            slots: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
-    ``lengths[b]`` (>= 1) cached tokens. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16.
+    ``lengths[b]`` (>= 1) cached tokens; float8 pools are widened to ``q``'s dtype as they are read. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
@@ -140,7 +144,7 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size, BT=tokens_per_step,
         SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(), HAS_SLOTS=slots is not None,
-        num_warps=8, num_stages=3,
+        FP8=pool_k.dtype == torch.float8_e4m3fn, num_warps=8, num_stages=3,
     )
     if splits > 1:
         _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,
@@ -151,7 +155,7 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
 @triton.jit
 def _rotary_store_kernel(q, k, v, positions, inv_freq, factor, pool_k, pool_v, tables, lengths, slots, q_out,
                          H, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sp_b, sk_blk, sk_hd, sk_t, st_b,
-                         HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr):
     """Program (b, j): query head j < H rotated into ``q_out``; else KV head j - H: its key rotated and its value
     stored at the row's next position in its block."""
     b = tl.program_id(0).to(tl.int64)
@@ -173,11 +177,16 @@ def _rotary_store_kernel(q, k, v, positions, inv_freq, factor, pool_k, pool_v, t
         dest = block * sk_blk + h * sk_hd + (index % BLOCK_SIZE) * sk_t
         x = k + b * sk_b + h * sk_h
         x1, x2 = tl.load(x + d).to(tl.float32), tl.load(x + HALF + d).to(tl.float32)
-        tl.store(pool_k + dest + d, (x1 * cos - x2 * sin).to(pool_k.dtype.element_ty))
-        tl.store(pool_k + dest + HALF + d, (x2 * cos + x1 * sin).to(pool_k.dtype.element_ty))
+        k1, k2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         y = v + b * sv_b + h * sv_h
-        tl.store(pool_v + dest + d, tl.load(y + d).to(pool_v.dtype.element_ty))
-        tl.store(pool_v + dest + HALF + d, tl.load(y + HALF + d).to(pool_v.dtype.element_ty))
+        v1, v2 = tl.load(y + d).to(tl.float32), tl.load(y + HALF + d).to(tl.float32)
+        if LIMIT > 0:  # a float8 pool: clamped to its range (beyond it the cast gives NaN)
+            k1, k2 = tl.clamp(k1, -LIMIT, LIMIT), tl.clamp(k2, -LIMIT, LIMIT)
+            v1, v2 = tl.clamp(v1, -LIMIT, LIMIT), tl.clamp(v2, -LIMIT, LIMIT)
+        tl.store(pool_k + dest + d, k1.to(pool_k.dtype.element_ty))
+        tl.store(pool_k + dest + HALF + d, k2.to(pool_k.dtype.element_ty))
+        tl.store(pool_v + dest + d, v1.to(pool_v.dtype.element_ty))
+        tl.store(pool_v + dest + HALF + d, v2.to(pool_v.dtype.element_ty))
 
 
 def rotary_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -186,8 +195,9 @@ def rotary_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     """A decode step's attention prologue in one launch: RoPE (rotate-half, as
     :class:`sse_model.modules.RotaryEmbedding`, in float32) on ``q [B, H, D]`` and ``k [B, H_kv, D]`` at
     ``positions [B]``, and the rotated key and ``v`` stored at position ``lengths[slots[b]]`` of row ``slots[b]``'s
-    blocks (``tables``, pools ``[blocks, H_kv, block_size, D]``). Returns the rotated queries ``[B, H, D]`` in the
-    pool's dtype. ``q, k, v`` may be column slices of one product (each head's ``D`` values contiguous)."""
+    blocks (``tables``, pools ``[blocks, H_kv, block_size, D]``; float8 pools take the values clamped to e4m3's
+    range). Returns the rotated queries ``[B, H, D]`` in the pool's dtype (a float8 pool's: ``q``'s). ``q, k, v`` may
+    be column slices of one product (each head's ``D`` values contiguous)."""
     B, H, D = q.shape
     H_kv = k.shape[1]
     if D % 2 or (D // 2) & (D // 2 - 1) or tuple(k.shape) != (B, H_kv, D) or tuple(v.shape) != (B, H_kv, D):
@@ -195,10 +205,11 @@ def rotary_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                          "(heads of one size, half of it a power of two)")
     if any(t.stride(-1) != 1 for t in (q, k, v, pool_k)) or pool_k.stride() != pool_v.stride():
         raise ValueError("rotary_store_decode: the head dimension must be contiguous")
-    q_out = torch.empty(B, H, D, device=q.device, dtype=pool_k.dtype)
+    fp8 = pool_k.dtype == torch.float8_e4m3fn
+    q_out = torch.empty(B, H, D, device=q.device, dtype=q.dtype if fp8 else pool_k.dtype)
     _rotary_store_kernel[(B, H + H_kv)](
         q, k, v, positions, inv_freq, float(factor), pool_k, pool_v, tables, lengths, slots, q_out,
         H, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions.stride(0),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
-        HALF=D // 2, BLOCK_SIZE=pool_k.shape[2], num_warps=1)
+        HALF=D // 2, BLOCK_SIZE=pool_k.shape[2], LIMIT=448.0 if fp8 else 0.0, num_warps=1)
     return q_out

@@ -394,7 +394,8 @@ STAGE_SETTINGS = {
 # another number of workers or a GPU of another size (the same steps; GRPO's samples are seeded per worker, each
 # request's draws by its own seed, pipeline/rollout/sampling.py, whatever else runs beside it), and a model added to
 # eval.models is evaluated beside the ones scored already (each model's generations in a folder of its own)
-ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions)), "sleep")
+# (the KV cache's dtype changes what the engine computes: part of the experiment, not of where it runs)
+ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions) if f.name != "kv_cache_dtype"), "sleep")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
                "grpo.num_workers", "grpo.num_engines", "grpo.micro_batch_size", "distill.num_workers",
                "distill.micro_batch_size", "align.micro_batch_size", "eval.models", "eval.num_workers",

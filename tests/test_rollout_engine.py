@@ -372,6 +372,30 @@ def test_long_generation_over_many_chunks_and_blocks_matches_generate(model, tok
     assert out.token_ids == ref.tolist()
 
 
+def test_fp8_kv_cache_keeps_the_softmax_layers_keys_in_float8_close_to_the_wide_cache(model, tokenizer):
+    """kv_cache_dtype="fp8": the paged and window pools in float8 e4m3 (a byte a value: twice the KV blocks of bf16
+    in one budget), values beyond its range clamped rather than NaN, and greedy generation following the engine
+    that keeps its keys in the weights' dtype (log-probs within e4m3's rounding, not equal: the float8 is used)."""
+    from pipeline.rollout.cache import SlotCache, to_kv
+
+    assert to_kv(torch.tensor([1000.0, -1000.0, 1.0, 0.3]), torch.float8_e4m3fn).float().tolist() == \
+        [448.0, -448.0, 1.0, 0.3125]
+    assert 2 * SlotCache.kv_bytes_per_token(model.config, torch.float8_e4m3fn) == \
+        SlotCache.kv_bytes_per_token(model.config, torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True)
+    prompt = "A long question about numbers: " * 2  # 62 tokens over 8 blocks of 8; the window layer wraps
+    wide = make_engine(model, tokenizer, max_model_len=96).generate(prompt, params)[0].outputs[0]
+    engine = make_engine(model, tokenizer, max_model_len=96, kv_cache_dtype="fp8")
+    assert {p.dtype for p in [*engine.cache.keys.values(), *engine.cache.values.values()]} == {torch.float8_e4m3fn}
+    narrow = engine.generate(prompt, params)[0].outputs[0]
+    same = next((i for i, (a, b) in enumerate(zip(wide.token_ids, narrow.token_ids)) if a != b), 24)
+    assert same >= 8, (wide.token_ids, narrow.token_ids)
+    gap = (torch.tensor(wide.logprobs[:same]) - torch.tensor(narrow.logprobs[:same])).abs()
+    assert 0 < gap.max() < 0.1 and torch.isfinite(torch.tensor(narrow.logprobs)).all()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or 'fp8'"):
+        make_engine(model, tokenizer, kv_cache_dtype="int8")
+
+
 def test_update_weights_changes_generation(model, tokenizer):
     engine = make_engine(model, tokenizer)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

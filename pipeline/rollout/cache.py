@@ -13,6 +13,22 @@ from sse_model.cache import LinearLayerState, linear_state_shapes
 from sse_model.configuration_sse import ATTENTION_MIXERS
 from sse_model.ops.dispatch import note_declined
 
+FP8_MAX = 448.0  # e4m3's largest finite value: casting beyond it gives NaN, so values are clamped first
+
+
+def kv_dtype_of(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pools' dtype for an engine option ``kv_cache_dtype`` (``auto``: the engine's ``dtype``)."""
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
+
+
+def to_kv(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the KV pools keep it (float8: clamped to its range, unit scale)."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(kv_dtype)
+    return x.to(kv_dtype)
+
 
 class BlockAllocator:
     """Fixed-size KV blocks for the full-attention layers of a :class:`SlotCache`: a free list and reference
@@ -58,6 +74,9 @@ class SlotCache:
     Blocks are taken as a slot grows (:meth:`grow`), shared by forked samples (:meth:`fork`) and returned when the
     slot is emptied (:meth:`reset`), so memory follows what the sequences hold, not ``max_len``.
 
+    ``kv_dtype`` (default ``dtype``): the keys' and values' storage; float8 (:func:`kv_dtype_of`) is read back in
+    ``dtype`` by attention.
+
     Before each forward set ``slots`` (a LongTensor of rows) and ``view_blocks`` (how many table entries the
     attention reads: at least the longest row's blocks; a graph captures one value); ``lengths[s]`` is the
     number of tokens slot ``s`` holds. Decode steps of full layers read the blocks where they are
@@ -65,8 +84,10 @@ class SlotCache:
     """
 
     def __init__(self, config, max_slots: int, max_len: int, device, dtype, state_dtype=torch.float32,
-                 num_blocks: int | None = None, block_size: int = 256, paged_decode: bool | None = None):
+                 num_blocks: int | None = None, block_size: int = 256, paged_decode: bool | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.config, self.max_slots, self.max_len, self.block_size = config, max_slots, max_len, block_size
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
         self.max_blocks_per_slot = -(-max_len // block_size)
         if num_blocks is None:  # every slot can reach max_len
             num_blocks = max_slots * self.max_blocks_per_slot
@@ -80,8 +101,8 @@ class SlotCache:
             if kind in ATTENTION_MIXERS:
                 window = config.sliding_window if kind == "swa" else None
                 shape = (max_slots, H, min(max_len, window), D) if window else (num_blocks + 1, H, block_size, D)
-                self.keys[i] = torch.zeros(shape, device=device, dtype=dtype)
-                self.values[i] = torch.zeros(shape, device=device, dtype=dtype)
+                self.keys[i] = torch.zeros(shape, device=device, dtype=self.kv_dtype)
+                self.values[i] = torch.zeros(shape, device=device, dtype=self.kv_dtype)
                 self.windows[i] = window
             else:
                 recurrent, conv = linear_state_shapes(config, kind)
@@ -101,19 +122,22 @@ class SlotCache:
         self.paged_decode = torch.device(device).type == "cuda" if paged_decode is None else paged_decode
 
     @staticmethod
-    def bytes_per_slot(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32) -> int:
+    def bytes_per_slot(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32,
+                       kv_dtype: torch.dtype | None = None) -> int:
         """Memory one sequence of ``max_len`` tokens needs: its linear states plus its KV."""
-        return SlotCache.state_bytes(config, max_len, dtype, state_dtype) + \
-            SlotCache.kv_bytes_per_token(config, dtype) * max_len
+        return SlotCache.state_bytes(config, max_len, dtype, state_dtype, kv_dtype) + \
+            SlotCache.kv_bytes_per_token(config, kv_dtype or dtype) * max_len
 
     @staticmethod
-    def state_bytes(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32) -> int:
+    def state_bytes(config, max_len: int, dtype=torch.bfloat16, state_dtype=torch.float32,
+                    kv_dtype: torch.dtype | None = None) -> int:
         """What a slot holds whatever its length: linear states, short-convolution caches, window KV."""
         total = 0
         item = torch.tensor([], dtype=dtype).element_size()
+        kv_item = torch.tensor([], dtype=kv_dtype or dtype).element_size()
         for kind in config.mixer_types:
             if kind == "swa":
-                total += 2 * config.num_key_value_heads * min(max_len, config.sliding_window) * config.attn_head_dim * item
+                total += 2 * config.num_key_value_heads * min(max_len, config.sliding_window) * config.attn_head_dim * kv_item
             elif kind not in ATTENTION_MIXERS:
                 recurrent, conv = linear_state_shapes(config, kind)
                 total += torch.Size(recurrent).numel() * torch.tensor([], dtype=state_dtype).element_size()
@@ -226,20 +250,21 @@ class SlotCache:
         pool_k, pool_v = self.keys[layer_idx], self.values[layer_idx]
         start = self.lengths[self.slots][:, None]  # [B, 1]
         new_index = start + torch.arange(T, device=keys.device)[None]  # [B, T]
-        new_k, new_v = keys.transpose(1, 2).to(pool_k.dtype), values.transpose(1, 2).to(pool_v.dtype)
+        new_k, new_v = to_kv(keys.transpose(1, 2), self.kv_dtype), to_kv(values.transpose(1, 2), self.kv_dtype)
+        read = keys.dtype  # attention reads the stored keys and values (float8 too) in the layer's dtype
         if self.windows[layer_idx] is None:
             table = self._store_blocks(layer_idx, new_k, new_v, new_index)
             view = table[:, :self.view_blocks]  # [B, nb]
             H, D = pool_k.shape[1], pool_k.shape[3]
-            k = pool_k[view].transpose(1, 2).reshape(B, H, -1, D)
-            v = pool_v[view].transpose(1, 2).reshape(B, H, -1, D)
+            k = pool_k[view].transpose(1, 2).reshape(B, H, -1, D).to(read)
+            v = pool_v[view].transpose(1, 2).reshape(B, H, -1, D).to(read)
             key_index = torch.arange(k.shape[2], device=keys.device)[None].expand(B, -1)
             return k, v, key_index, key_index < start + T
         capacity = pool_k.shape[2]
         entries = torch.arange(capacity, device=keys.device)[None]
         old_index = start - 1 - ((start - 1 - entries) % capacity)  # latest position held by each entry
-        keys_all = torch.cat([pool_k[self.slots], new_k.transpose(1, 2)], dim=2)
-        values_all = torch.cat([pool_v[self.slots], new_v.transpose(1, 2)], dim=2)
+        keys_all = torch.cat([pool_k[self.slots], new_k.transpose(1, 2)], dim=2).to(read)
+        values_all = torch.cat([pool_v[self.slots], new_v.transpose(1, 2)], dim=2).to(read)
         key_index = torch.cat([old_index, new_index], dim=1)
         valid = torch.cat([old_index >= 0, torch.ones_like(new_index, dtype=torch.bool)], dim=1)
         keep = min(T, capacity)
@@ -304,8 +329,8 @@ class SlotCache:
             block = self.tables[self.slots[seq], position // self.block_size]
             self._packed = cu_seqlens, block, position % self.block_size
         _, block, offset = self._packed
-        self.keys[layer_idx][block, :, offset] = keys[0].transpose(0, 1).to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][block, :, offset] = values[0].transpose(0, 1).to(self.values[layer_idx].dtype)
+        self.keys[layer_idx][block, :, offset] = to_kv(keys[0].transpose(0, 1), self.kv_dtype)
+        self.values[layer_idx][block, :, offset] = to_kv(values[0].transpose(0, 1), self.kv_dtype)
 
     def advance(self, T: int | torch.Tensor) -> None:
         """``T`` more tokens in every current row, or ``T[i]`` in row ``i`` (a packed prefill)."""
@@ -324,12 +349,13 @@ def default_memory_budget(device: torch.device) -> int:
 
 
 def plan_slots(config, memory_budget: int, max_model_len: int, block_size: int, dtype: torch.dtype,
-               max_slots: int | None = None, num_blocks: int | None = None) -> tuple[int, int]:
+               max_slots: int | None = None, num_blocks: int | None = None,
+               kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """``(max_slots, num_blocks)`` within ``memory_budget`` bytes (either given: as given): slots planned for
     sequences a quarter of ``max_model_len`` long on average (up to :data:`DEFAULT_MAX_SLOTS`), KV blocks in the
     rest; one sequence of ``max_model_len`` always fits, or the budget is refused."""
-    state = SlotCache.state_bytes(config, max_model_len, dtype)
-    per_block = SlotCache.kv_bytes_per_token(config, dtype) * block_size
+    state = SlotCache.state_bytes(config, max_model_len, dtype, kv_dtype=kv_dtype)
+    per_block = SlotCache.kv_bytes_per_token(config, kv_dtype or dtype) * block_size
     one_sequence = per_block * -(-max_model_len // block_size)
     if max_slots is None:
         planned = state + per_block * -(-max(block_size, max_model_len // 4) // block_size)

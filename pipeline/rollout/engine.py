@@ -31,7 +31,7 @@ import torch
 from common.generation import end_of_sequence_ids
 
 from . import cache as cache_module
-from .cache import SlotCache, plan_slots
+from .cache import SlotCache, kv_dtype_of, plan_slots
 from .model_runner import LaunchedStep, ModelRunner
 from .options import DEFAULTS
 from .request import CompletionOutput, Request, RequestOutput, Sequence
@@ -81,13 +81,16 @@ class Engine:
     prompt tokens prefilled per engine step. ``overlap`` (default: on CUDA) queues each decode step before the host
     has read the previous one's tokens (``_decode``); outputs are the same either way. ``residual_dtype`` (float32)
     keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`).
-    ``refill_fraction``: the scheduler's refill policy."""
+    ``kv_cache_dtype="fp8"`` keeps the softmax layers' keys and values in float8 e4m3 (half the bytes a decode step
+    reads at long contexts; :func:`~pipeline.rollout.cache.kv_dtype_of`). ``refill_fraction``: the scheduler's
+    refill policy."""
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, max_model_len: int = 4096,
                  memory_budget: int | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, prefill_chunk_size: int = DEFAULTS.prefill_chunk_size,
                  block_size: int = DEFAULTS.block_size, num_blocks: int | None = None, use_cuda_graphs=None,
-                 overlap=None, residual_dtype=None, refill_fraction: float = DEFAULTS.refill_fraction, seed: int = 0):
+                 overlap=None, residual_dtype=None, refill_fraction: float = DEFAULTS.refill_fraction, seed: int = 0,
+                 kv_cache_dtype: str = DEFAULTS.kv_cache_dtype):
         if isinstance(model, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -103,8 +106,9 @@ class Engine:
         self.scheduler = Scheduler(refill_fraction)
         self.tokenizer, self.config = tokenizer, model.config
         self.device, self.dtype = device, self.runner.dtype
+        self.kv_dtype = kv_dtype_of(kv_cache_dtype, self.dtype)
         self.max_model_len, self.prefill_chunk_size, self.block_size = max_model_len, prefill_chunk_size, block_size
-        self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype)
+        self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype, kv_dtype=self.kv_dtype)
         self._asked = (memory_budget, max_slots, num_blocks)
         self.cache: SlotCache | None = None
         self._plan()
@@ -131,7 +135,7 @@ class Engine:
         self.memory_budget = memory_budget if memory_budget is not None else \
             cache_module.default_memory_budget(self.device)
         self.max_slots, self.num_blocks = plan_slots(self.config, self.memory_budget, self.max_model_len,
-                                                     self.block_size, self.dtype, max_slots, num_blocks)
+                                                     self.block_size, self.dtype, max_slots, num_blocks, self.kv_dtype)
 
     # ---------------------------------------------------------------------------------------------
     # requests
@@ -175,7 +179,7 @@ class Engine:
             if self._asked[0] is None and self.scheduler.cache is not None:  # the default budget follows the
                 self._plan()  # memory free now (the first plan is the constructor's)
             self.cache = SlotCache(self.config, self.max_slots + 1, self.max_model_len, self.device, self.dtype,
-                                   num_blocks=self.num_blocks, block_size=self.block_size)
+                                   num_blocks=self.num_blocks, block_size=self.block_size, kv_dtype=self.kv_dtype)
             self.runner.use(self.cache)
             self.scheduler.use(self.cache, self.max_slots, self.num_blocks, self.block_size)
 

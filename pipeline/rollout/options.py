@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ENGINE_BACKENDS = ("sse", "vllm")  # this package's rollout engine, or vLLM serving the model through our plugin
+# the softmax layers' KV cache: in the engine's dtype ("auto"), or float8 e4m3 ("fp8": half the bytes a decode step
+# reads, as vLLM's kv_cache_dtype=fp8 with unit scales, values clamped to e4m3's range)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _rules(default, **rules):
@@ -19,6 +22,7 @@ class EngineOptions:
     memory_budget_gb: float | None = _rules(None, gt=0)  # None: 90% of the GPU memory free when it starts or wakes
     prefill_chunk_size: int = _rules(2048, ge=1)  # prompt tokens prefilled per engine step
     block_size: int = _rules(256, ge=1)  # tokens per KV block of the full-attention layers
+    kv_cache_dtype: str = _rules("auto", choices=KV_CACHE_DTYPES)
     use_cuda_graphs: bool | None = None  # None: on CUDA
     overlap: bool | None = None  # queue each decode step before the host reads the last one's tokens; None: on CUDA
     # while sequences run, admit waiting requests once this fraction of the slots is free, to prefill them together:

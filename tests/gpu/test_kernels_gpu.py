@@ -515,17 +515,19 @@ def test_top_p_sample_equals_the_sort_at_real_sizes(vocab):
     assert torch.allclose(got_lp[got == want], want_lp[got == want], atol=1e-3)
 
 
-def test_engine_decode_step_paged_equals_gather():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_decode_step_paged_equals_gather(kv_cache_dtype):
     """One decode step of the rollout engine (bf16, sequences of 300-900 tokens over several KV blocks, forks
-    sharing blocks): logits with the attention read in place (the engine's path, in its CUDA graph and eager)
-    against gathering the blocks + SDPA, and the Triton backend's decode step against the PyTorch ops."""
+    sharing blocks; keys and values in bf16 or float8): logits with the attention read in place (the engine's path,
+    in its CUDA graph and eager) against gathering the blocks + SDPA, and the Triton backend's decode step against
+    the PyTorch ops."""
     from pipeline.rollout import Engine, SamplingParams
     from sse_model import SSEConfig, SSEForCausalLM
 
     cfg = SSEConfig.from_preset("sse-h-tiny", hidden_size=256, num_heads=2, head_dim=128, num_attention_heads=2,
                                 max_position_embeddings=4096)
     model = SSEForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
-    engine = Engine(model, None, max_slots=16, max_model_len=1024, block_size=64)
+    engine = Engine(model, None, max_slots=16, max_model_len=1024, block_size=64, kv_cache_dtype=kv_cache_dtype)
     for n in (300, 517, 900):
         engine.add_request(torch.randint(0, cfg.vocab_size, (n,)).tolist(),
                            SamplingParams(n=4, max_tokens=64, ignore_eos=True, seed=n))
@@ -551,8 +553,8 @@ def test_engine_decode_step_paged_equals_gather():
             finally:
                 del os.environ["SSE_BACKEND"]
     errors = rel(logits["graph"], logits["gather"]), rel(logits["eager"], logits["gather"])
-    RESULTS.append(("engine decode step: paged (graph / eager) vs gather", *errors))
-    RESULTS.append(("engine decode step: Triton backend (gather) vs PyTorch ops",
+    RESULTS.append((f"engine decode step, KV {kv_cache_dtype}: paged (graph / eager) vs gather", *errors))
+    RESULTS.append((f"engine decode step, KV {kv_cache_dtype}: Triton backend (gather) vs PyTorch ops",
                     rel(logits["gather"], logits["torch"]), 0.0))
     assert max(errors) < TOL[torch.bfloat16]
     assert rel(logits["gather"], logits["torch"]) < TOL[torch.bfloat16]  # the decode prologue, norms, routing, SSE step
@@ -631,6 +633,53 @@ def test_paged_decode_attention_real_sizes(kv_heads):
     want = gather_path(q, k, v, tables, lengths)
     RESULTS.append((f"paged decode attention (H_kv={kv_heads}) vs gather", rel(got, want), 0.0))
     assert rel(got, want) < TOL[torch.bfloat16]
+
+
+def test_paged_decode_attention_reads_float8_pools_and_the_store_clamps():
+    """Float8 e4m3 pools (kv_cache_dtype fp8): the kernel against SDPA over the same values widened to bf16; and
+    the decode prologue's store against the rotated keys computed in PyTorch, rounded to float8 the same way, with
+    values beyond e4m3's range clamped to 448 (the bare cast gives NaN)."""
+    from benchmarks.kernels.bench_paged import gather_path
+    from kernels.paged_attention import paged_decode_attention, rotary_store_decode
+    from pipeline.rollout.cache import to_kv
+    from sse_model.modules import RotaryEmbedding
+
+    B, kv_heads, block_size, per_seq = 8, 6, 256, 5
+    f8 = torch.float8_e4m3fn
+    pool_k = (4 * torch.randn(B * per_seq + 1, kv_heads, block_size, D, device="cuda")).to(f8)
+    pool_v = torch.randn(B * per_seq + 1, kv_heads, block_size, D, device="cuda").to(f8)
+    tables = torch.randperm(B * per_seq, device="cuda").view(B, per_seq)
+    lengths = torch.tensor([1, 255, 256, 257, 700, 1024, 1100, 1151], device="cuda")
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    got = paged_decode_attention(q, pool_k, pool_v, tables, lengths)
+    want = gather_path(q, pool_k.to(torch.bfloat16).repeat_interleave(H // kv_heads, dim=1),
+                       pool_v.to(torch.bfloat16).repeat_interleave(H // kv_heads, dim=1), tables, lengths)
+    RESULTS.append(("paged decode attention, float8 pools vs gather (bf16)", rel(got, want), 0.0))
+    assert got.dtype == torch.bfloat16 and rel(got, want) < TOL[torch.bfloat16]
+
+    rotary = RotaryEmbedding(D).cuda()
+    k = 300 * torch.randn(B, kv_heads, D, device="cuda", dtype=torch.bfloat16)  # some beyond 448
+    v = 300 * torch.randn(B, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    positions = lengths - 1
+    slots = torch.arange(B, device="cuda")
+    before = lengths - 1  # the cache's lengths before this step's token
+    q_rot = rotary_store_decode(q, k, v, positions, rotary.inv_freq, rotary.attention_factor, pool_k, pool_v,
+                                tables, before, slots)
+    assert q_rot.dtype == torch.bfloat16
+    angle = positions[:, None].float() * rotary.inv_freq[None]
+    cos, sin = (torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1))
+    kf = k.float()
+    k_rot = kf * cos[:, None] * rotary.attention_factor + torch.cat([-kf[..., D // 2:], kf[..., :D // 2]], -1) * \
+        sin[:, None] * rotary.attention_factor
+    block = tables.gather(1, (before // block_size)[:, None])[:, 0]
+    stored_k = pool_k[block, :, before % block_size].float()  # [B, H_kv, D]
+    stored_v = pool_v[block, :, before % block_size].float()
+    assert torch.isfinite(stored_k).all() and stored_k.abs().max() == 448 and stored_v.abs().max() == 448
+    # the rotation in float32 on both sides, whose last bits may differ: one e4m3 step (12.5%) apart at most
+    for stored, exact in ((stored_k, to_kv(k_rot, f8).float()), (stored_v, to_kv(v, f8).float())):
+        RESULTS.append(("float8 store: values equal to PyTorch's rounding", (stored == exact).float().mean().item(),
+                        0.0))
+        assert ((stored - exact).abs() <= 0.125 * exact.abs() + 4e-3).all()
 
 
 @pytest.mark.parametrize("rows", [1, 8, 16])

@@ -78,7 +78,8 @@ class VllmEngine:
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, memory_budget: int | None = None,
                  max_model_len: int = 4096, prefill_chunk_size: int = DEFAULTS.prefill_chunk_size,
-                 block_size: int | None = None, use_cuda_graphs: bool | None = None, dtype=None, seed: int = 0, **_):
+                 block_size: int | None = None, use_cuda_graphs: bool | None = None, dtype=None, seed: int = 0,
+                 kv_cache_dtype: str = "auto", **_):
         if not isinstance(model, (str, Path)):
             raise TypeError("engine.backend: vllm serves a checkpoint folder; got a model object")
         import_vllm()
@@ -101,7 +102,7 @@ class VllmEngine:
                        # batches ran eager; our model has no torch.compile form, so only whole-step graphs exist)
                        compilation_config={"max_cudagraph_capture_size": self.max_slots},
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=0.9 * free / total,
-                       kv_cache_memory_bytes=memory_budget,
+                       kv_cache_memory_bytes=memory_budget, kv_cache_dtype=kv_cache_dtype,
                        worker_extension_cls=f"{__name__}.WeightLoader")
         self.weights_version, self._next_id, self._asleep = 0, 0, False
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")

@@ -1,0 +1,103 @@
+"""The softmax layers' KV cache in bf16 against float8 e4m3 (``engine.kv_cache_dtype: fp8``): the engine's decode
+step at long contexts, against its memory roofline, and whole generations' tokens/s.
+
+    python -m benchmarks.rollout.bench_kv_dtype                                  # sse-h-2b, 64 sequences at 16k and 32k
+    python -m benchmarks.rollout.bench_kv_dtype --batch 32 --contexts 4096 --generate 8192
+
+Decode step: ``--batch`` sequences each holding ``--contexts`` tokens (their KV blocks taken, lengths set; what a
+step reads does not depend on the values), the engine's step as it runs (CUDA graph, paged attention), timed over
+20 steps; the roofline is the bytes it must read (every weight, each SSE layer's states read and written in
+float32, each attention layer's keys and values at the KV dtype's width) over the copy bandwidth. Generation:
+``--generate-prompts`` prompts of 512 tokens x 8 samples, ``--generate`` new tokens each (EOS ignored), random
+weights. The log-prob gap each dtype leaves against the trainer: ``bench_numerics --kv-cache-dtype``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.kernels.bench_sse import copy_bandwidth
+from benchmarks.rollout.benchmark import build, decode_step_bytes
+from pipeline.rollout.engine import Engine
+from pipeline.rollout.sampling import SamplingParams
+
+KV_BYTES = {"auto": 2, "fp8": 1}
+
+
+def decode_step_ms(engine: Engine, batch: int, context: int, steps: int = 20) -> float:
+    slots = torch.arange(batch, device="cuda")
+    ids = torch.randint(100, 1000, (batch,), device="cuda")
+    cache = engine.cache
+    cache.grow(list(range(batch)), [context + 1] * batch)
+    cache.lengths[:batch] = context
+    cache.view_blocks = cache.blocks_for(context + 1)
+    with torch.no_grad():
+        for _ in range(3):
+            engine.runner.forward_decode(ids, slots)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.runner.forward_decode(ids, slots)
+        torch.cuda.synchronize()
+    cache.reset(slots)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def generate_rate(engine: Engine, prompts: int, new_tokens: int) -> float:
+    ids = [torch.randint(100, 1000, (512,)).tolist() for _ in range(prompts)]
+    engine.generate(ids[:1], SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=0))  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(ids, SamplingParams(n=8, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0))
+    torch.cuda.synchronize()
+    return sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="sse-h-2b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--generate", type=int, default=8192, help="new tokens a sample (0: no generation)")
+    parser.add_argument("--generate-prompts", type=int, default=4)
+    args = parser.parse_args()
+    import kernels
+
+    kernels.register()
+    model = build(args.preset)
+    bandwidth = copy_bandwidth()
+    rows, rates = [], {}
+    for kv in KV_BYTES:
+        longest = max(args.contexts) + 1
+        engine = Engine(model, None, max_slots=args.batch, max_model_len=max(longest, 512 + args.generate),
+                        kv_cache_dtype=kv)
+        for context in args.contexts:
+            ms = decode_step_ms(engine, args.batch, context)
+            parts = decode_step_bytes(model, args.batch, context)
+            total = parts["weights"] + parts["states"] + parts["KV"] * KV_BYTES[kv] // 2
+            rows.append((kv, context, ms, total / bandwidth * 1e3, total))
+            print(f"KV {kv}, context {context}: {ms:.2f} ms", flush=True)
+        if args.generate:
+            rates[kv] = generate_rate(engine, args.generate_prompts, args.generate)
+            print(f"KV {kv}: generation {rates[kv]:,.0f} tok/s", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    base = {context: ms for kv, context, ms, *_ in rows if kv == "auto"}
+    print(f"\n{args.preset}, {torch.cuda.get_device_name()}, decode step of {args.batch} sequences "
+          f"(copy bandwidth {bandwidth / 1e12:.2f} TB/s)\n")
+    print("| KV cache | context | step ms | x bf16 KV's speed | roofline ms | x roofline | bytes read (GB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kv, context, ms, roof, total in rows:
+        print(f"| {kv} | {context} | {ms:.2f} | {base[context] / ms:.2f} | {roof:.2f} | {ms / roof:.2f} | "
+              f"{total / 1e9:.1f} |")
+    if rates:
+        print(f"\nGeneration, {args.generate_prompts} x 8 samples of {args.generate} tokens: "
+              + ", ".join(f"KV {kv} {rate:,.0f} tok/s" for kv, rate in rates.items())
+              + f" ({rates['fp8'] / rates['auto']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
