@@ -137,7 +137,8 @@ class SlotCache:
         kv_item = torch.tensor([], dtype=kv_dtype or dtype).element_size()
         for kind in config.mixer_types:
             if kind == "swa":
-                total += 2 * config.num_key_value_heads * min(max_len, config.sliding_window) * config.attn_head_dim * kv_item
+                window = min(max_len, config.sliding_window)
+                total += 2 * config.num_key_value_heads * window * config.attn_head_dim * kv_item
             elif kind not in ATTENTION_MIXERS:
                 recurrent, conv = linear_state_shapes(config, kind)
                 total += torch.Size(recurrent).numel() * torch.tensor([], dtype=state_dtype).element_size()

@@ -80,10 +80,9 @@ class Engine:
     (:func:`~pipeline.rollout.cache.plan_slots`; ``num_blocks`` overrides the blocks). ``prefill_chunk_size``:
     prompt tokens prefilled per engine step. ``overlap`` (default: on CUDA) queues each decode step before the host
     has read the previous one's tokens (``_decode``); outputs are the same either way. ``residual_dtype`` (float32)
-    keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`).
-    ``kv_cache_dtype="fp8"`` keeps the softmax layers' keys and values in float8 e4m3 (half the bytes a decode step
-    reads at long contexts; :func:`~pipeline.rollout.cache.kv_dtype_of`). ``refill_fraction``: the scheduler's
-    refill policy."""
+    keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`);
+    ``kv_cache_dtype="fp8"`` the softmax layers' keys and values in float8 (:func:`.cache.kv_dtype_of`);
+    ``refill_fraction``: the scheduler's refill policy."""
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, max_model_len: int = 4096,
                  memory_budget: int | None = None, device: str | torch.device | None = None,
@@ -96,17 +95,15 @@ class Engine:
 
             from sse_model.checkpoint import load_pretrained
 
-            path = model
-            model = load_pretrained(path, dtype or torch.float32, require_sse=True)
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+            model = load_pretrained(model, dtype or torch.float32, require_sse=True)
             if device is None:  # a checkpoint loads on the CPU: serve it from the GPU when there is one
                 device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.runner = ModelRunner(model, device, dtype, residual_dtype, use_cuda_graphs)
         self.scheduler = Scheduler(refill_fraction)
-        self.tokenizer, self.config = tokenizer, model.config
-        self.device, self.dtype = device, self.runner.dtype
-        self.kv_dtype = kv_dtype_of(kv_cache_dtype, self.dtype)
+        self.tokenizer, self.config, self.device = tokenizer, model.config, device
+        self.dtype, self.kv_dtype = self.runner.dtype, kv_dtype_of(kv_cache_dtype, self.runner.dtype)
         self.max_model_len, self.prefill_chunk_size, self.block_size = max_model_len, prefill_chunk_size, block_size
         self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype, kv_dtype=self.kv_dtype)
         self._asked = (memory_budget, max_slots, num_blocks)
@@ -114,9 +111,7 @@ class Engine:
         self._plan()
         self.wake_up()
         self.stats = EngineStats()
-        self.weights_version = 0
-        self._rng = random.Random(seed)
-        self._next_id = 0
+        self.weights_version, self._next_id, self._rng = 0, 0, random.Random(seed)
         self.eos_ids = end_of_sequence_ids(model, tokenizer)
         self.overlap = device.type == "cuda" if overlap is None else overlap
         self._launched: LaunchedStep | None = None  # the next decode step, queued before the host read this one

@@ -195,10 +195,11 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         self._ahead: dict[int, tuple] = {}
         self._ready: list | None = None
         self._busy_at: tuple[float, float] | None = None  # (time, the engines' busy seconds) at the last sync
-        if self.args.max_staleness:
-            self.prompts = PromptStream(len(self.train_dataset), self.args.per_device_train_batch_size
-                                        * self.args.steps_per_generation // self.num_generations * self.accelerator.num_processes,
-                                        self.args.seed, self.accelerator.process_index, self.accelerator.num_processes)
+        if self.args.max_staleness:  # a worker's rows of a generation batch / G, times the workers
+            workers = self.accelerator.num_processes
+            prompts = self.args.per_device_train_batch_size * self.args.steps_per_generation // self.num_generations
+            self.prompts = PromptStream(len(self.train_dataset), prompts * workers, self.args.seed,
+                                        self.accelerator.process_index, workers)
 
     @property
     def steps_per_batch(self) -> int:
