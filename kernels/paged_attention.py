@@ -13,7 +13,8 @@ one included. Lengths are read on the device: no host synchronisation, the launc
 Tiles of bf16 keys and values are multiplied in bf16 with float32 accumulation, the probabilities rounded to bf16
 for the value product (as flash attention does): float32 operands doubled the registers a program holds and kept
 the kernel further from its memory roofline; float32 caches (and Triton's interpreter, whose bf16 products
-are wrong) multiply in float32. Each program runs 8 warps (``python -m benchmarks.kernels.bench_paged``).
+are wrong) multiply in float32; float8 caches (``kv_cache_dtype: fp8``) are widened to fp16 tile by tile and
+multiplied with fp16 queries. Each program runs 8 warps (``python -m benchmarks.kernels.bench_paged``).
 
 The engine's decode attention (:meth:`pipeline.rollout.cache.SlotCache.decode_attention`); ``python -m
 benchmarks.kernels.bench_paged`` measures it against the gather path and the memory roofline.
@@ -53,6 +54,8 @@ def _paged_decode_kernel(
     q_tile = tl.load(q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=group_mask[:, None], other=0.0)
     if F32:
         q_tile = q_tile.to(tl.float32)
+    elif FP8:  # float8 keys and values are widened to fp16, a shorter conversion than to bf16
+        q_tile = q_tile.to(tl.float16)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -64,8 +67,8 @@ def _paged_decode_kernel(
         k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
         if F32:
             k = k.to(tl.float32)
-        elif FP8:  # float8 keys and values: widened to the queries' dtype in registers
-            k = k.to(q_tile.dtype)
+        elif FP8:
+            k = k.to(tl.float16)
         s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -76,7 +79,7 @@ def _paged_decode_kernel(
         if F32:
             v = v.to(tl.float32)
         elif FP8:
-            v = v.to(q_tile.dtype)
+            v = v.to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
