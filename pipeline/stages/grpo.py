@@ -221,7 +221,7 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
             if self._busy_at is not None and now > self._busy_at[0]:
                 engines = len(self.fleet.workers)
                 self.timer.set("engines/busy_fraction",
-                                 max(0.0, busy - self._busy_at[1]) / ((now - self._busy_at[0]) * engines))
+                               max(0.0, busy - self._busy_at[1]) / ((now - self._busy_at[0]) * engines))
             self._busy_at = (now, busy)
 
     def _requests(self, prompts: list, key: int) -> tuple[list, list]:
@@ -245,6 +245,9 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         start = time.perf_counter()
         if self._ready is not None:
             outputs, self._ready = self._ready, None
+            if sum(len(out.outputs) for out in outputs) != len(prompts):
+                raise RuntimeError(f"grpo: {sum(len(out.outputs) for out in outputs)} completions generated ahead "
+                                   f"for {len(prompts)} prompts")
         else:
             prompt_ids, params = self._requests(prompts, sampling_key(self.state.global_step, self.sampling_round))
             if getattr(self.fleet, "sleeps", False) and torch.cuda.is_available():
