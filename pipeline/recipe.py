@@ -280,6 +280,9 @@ class GRPOStageConfig:
     # (the trainer and the engines take turns); 1, the engines generate the next batch while the trainers train on
     # this one, with the weights one batch old (the importance correction weighs the difference)
     max_staleness: int = bounded(0, ge=0, le=1)
+    # with max_staleness 1: the next batch is submitted before this one is collected and the weights are pushed while
+    # sequences run, which continue under them from the states and KV they hold (this package's engine)
+    partial_rollouts: bool = False
     engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
     # trainer -> engines: through Ray's object store, broadcast over a process group (NCCL when the engines have
     # GPUs of their own, gloo on CPU; not with engines on the trainer's GPU), or cuda_ipc: engines on the
@@ -299,6 +302,9 @@ class GRPOStageConfig:
         grpo_batching(recipe, self.num_workers or 1)  # the GPUs a run has are checked at its start
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             fail("grpo.epsilon_high", f"must be >= grpo.epsilon ({self.epsilon}), got {self.epsilon_high}")
+        if self.partial_rollouts and (not self.max_staleness or self.engine.backend != "sse"):
+            fail("grpo.partial_rollouts", "continues sequences under new weights while it generates ahead: it needs "
+                 "grpo.max_staleness: 1 and grpo.engine.backend: sse")
         if self.max_staleness and self.dynamic_sampling:
             fail("grpo.max_staleness", "dynamic sampling's extra rounds generate inside a step, behind the batch "
                  "generated ahead; set grpo.dynamic_sampling: false")

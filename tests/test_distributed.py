@@ -295,6 +295,22 @@ def test_grpo_generating_ahead_on_two_trainer_workers(tmp_path):
         GRPOStage().check_plan(colocated, plan(colocated, 4, cpus=64))
 
 
+def test_grpo_with_partial_rollouts_runs_and_logs_the_off_policy_share(tmp_path):
+    """grpo.partial_rollouts: the weights reach the engines while a batch runs and the next batch starts before this
+    one is collected; the run finishes and logs, per batch, the share of tokens made by older weights."""
+    from pipeline.run import run_recipe
+
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", "grpo.steps=3", "grpo.max_completion_length=48",
+                                  "grpo.save_steps=100", "grpo.max_staleness=1", "grpo.partial_rollouts=true",
+                                  "grpo.dynamic_sampling=false"])
+    run_recipe(recipe, ("grpo",))
+    rows = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "async/off_policy_tokens" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["async/off_policy_tokens"] == 0.0  # the first batch: generated and trained by one policy
+    assert all(0.0 <= r["async/off_policy_tokens"] <= 1.0 for r in rows)
+    assert (tmp_path / "grpo" / "final" / "config.json").exists()
+
+
 def test_the_paper_recipe_is_one_experiment_on_any_number_of_gpus():
     """recipes/paper-2b fixes an optimizer step (16 packed rows; 64 rollouts); the GPUs decide how many workers share
     it, every GPU used by default (it refused a second GPU for distillation); what cannot divide is refused naming

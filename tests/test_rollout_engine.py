@@ -396,6 +396,47 @@ def test_fp8_kv_cache_keeps_the_softmax_layers_keys_in_float8_close_to_the_wide_
         make_engine(model, tokenizer, kv_cache_dtype="int8")
 
 
+def test_weights_loaded_in_flight_continue_the_sequence_from_its_states(model, tokenizer):
+    """Partial rollouts: weights loaded while a sequence runs (``in_flight``) take over from the states and KV the
+    old weights computed, nothing recomputed: the tokens after the switch are the new model's greedy decoding on top
+    of the old model's cache of the prompt and the tokens before (short convolutions, a window layer, paged KV)."""
+    from sse_model.modeling_sse import CACHE_FIELD
+
+    def unpacked(m):  # the engine packs its model's projections in place
+        m = copy.deepcopy(m)
+        for p in m.parameters():
+            p.data = p.data.clone()
+        return m
+
+    torch.manual_seed(11)
+    other = SSEForCausalLM(model.config).eval()
+    old, new = unpacked(model), unpacked(other)
+    engine = make_engine(unpacked(model), tokenizer, max_model_len=96)
+    prompt = tokenizer("Compute the sum of the first ten primes", add_special_tokens=False)["input_ids"]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.update_weights(other.state_dict())
+    while not engine.scheduler.running or len(engine.scheduler.running[0].token_ids) < 12:
+        engine.step()
+    before = list(engine.scheduler.running[0].token_ids)
+    engine.update_weights(other.state_dict(), in_flight=True)
+    (out,) = [o for _ in range(40) for o in engine.step()][:1]
+    tokens = out.outputs[0].token_ids
+    assert tokens[:len(before)] == before and len(tokens) == 30
+
+    def continued(cached_by):
+        with torch.no_grad():
+            cache = getattr(cached_by(torch.tensor([prompt + before[:-1]]), use_cache=True), CACHE_FIELD)
+            found, last = [], before[-1]
+            for _ in range(30 - len(before)):
+                result = new(torch.tensor([[last]]), past_key_values=cache, use_cache=True)
+                cache, last = getattr(result, CACHE_FIELD), int(result.logits[0, -1].argmax())
+                found.append(last)
+        return found
+
+    assert tokens[len(before):] == continued(old) != continued(new)  # kept, not recomputed
+
+
 def test_update_weights_changes_generation(model, tokenizer):
     engine = make_engine(model, tokenizer)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -507,6 +548,37 @@ def test_fleet_replaces_an_engine_killed_mid_call(model, tokenizer):
         ray.kill(fleet.workers[1], no_restart=True)
         with pytest.raises(RuntimeError, match="max_restarts=1"):
             fleet.generate(PROMPTS[:2], params)
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def test_weights_synced_while_a_fleet_generates_reach_its_running_sequences(model, tokenizer):
+    """Partial rollouts through Ray: a generation submitted to a fleet, then the weights synced while it runs (the
+    actor takes the call beside the one waiting for results; its loop lets it in between two steps); the sequences
+    continue under them and each completion lists where its weights changed."""
+    ray = pytest.importorskip("ray")
+    import time
+
+    from pipeline.rollout.actor import EngineFleet
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(model, tokenizer, num_engines=1, max_slots=4, max_model_len=512, block_size=8)
+        assert fleet.update_weights(model.state_dict()) == [1]
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=400, seed=5, ignore_eos=True)
+        generation = fleet.submit(PROMPTS[:2], params)
+        deadline = time.time() + 60
+        while ray.get(fleet.workers[0].get_stats.remote())["generated_tokens"] < 40 and time.time() < deadline:
+            time.sleep(0.01)
+        torch.manual_seed(9)
+        assert fleet.update_weights(SSEForCausalLM(model.config).state_dict()) == [2]
+        outs = fleet.collect(generation)
+        versions = [c.weight_versions for o in outs for c in o.outputs]
+        assert all(v is not None and v[0] == (0, 1) and v[-1][1] == 2 for v in versions), versions
+        assert all(0 < v[1][0] < 400 for v in versions) and all(len(c.token_ids) == 400 for o in outs for c in o.outputs)
+        again = fleet.generate(PROMPTS[:1], params)  # after the switch: one version, none listed
+        assert again[0].outputs[0].weight_versions is None
         fleet.shutdown()
     finally:
         ray.shutdown()

@@ -20,7 +20,8 @@ difference.
 ``grpo``: ``recipes/paper-2b``'s GRPO as the dry run shrinks it (8 prompts x 8 rollouts a generation batch, random
 weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most, for each GPU count and
 placement (``colocated``: a trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of
-their own) and ``--staleness`` (1: the engines generate the next batch while the trainers train, split only); the
+their own) and ``--staleness`` (1: the engines generate the next batch while the trainers train, split only;
+``--partial`` adds that with partial rollouts); the
 second batch's time split (rollout, weight sync, reward, training) and its generated tokens over
 its whole wall-clock (the first batch compiles).
 
@@ -175,19 +176,22 @@ def bench_grpo(args) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for staleness in args.staleness:
+    modes = [(s, False) for s in args.staleness] + [(1, True)] * args.partial  # (staleness, partial rollouts)
+    for staleness, partial in modes:
         for placement in args.placement:
             for gpus in args.gpus:
                 if placement == "split" and gpus < 2 or staleness and placement == "colocated":
                     continue  # (generating ahead needs engines of their own)
-                name = f"grpo-{args.preset}-{placement}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "")
+                name = f"grpo-{args.preset}-{placement}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "") + \
+                    ("-partial" if partial else "")
                 overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
                              f"grpo.max_completion_length={args.new_tokens}", f"grpo.placement={placement}",
-                             f"grpo.max_staleness={staleness}", "grpo.save_steps=100", f"output_dir={out / name}",
-                             *args.overrides]
+                             f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
+                             "grpo.save_steps=100", f"output_dir={out / name}", *args.overrides]
                 print(f"{name}: running", flush=True)
                 run = run_stage("grpo", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
-                results.append({"name": name, "gpus": gpus, "placement": placement, "staleness": staleness, **run,
+                results.append({"name": name, "gpus": gpus, "placement": placement,
+                                "staleness": f"{staleness}{' partial' if partial else ''}", **run,
                                 **batch_split(out / name)})
                 print(json.dumps(results[-1]), flush=True)
     return results
@@ -263,6 +267,8 @@ def main() -> None:
     parser.add_argument("--placement", nargs="+", default=["colocated", "split"], choices=("colocated", "split"))
     parser.add_argument("--staleness", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="grpo: grpo.max_staleness values (1: the engines generate a batch ahead; split only)")
+    parser.add_argument("--partial", action="store_true",
+                        help="grpo: also generating ahead with partial rollouts (weights pushed into running sequences)")
     parser.add_argument("--new-tokens", type=int, default=4096, help="grpo, eval: tokens a completion may take")
     parser.add_argument("--eval-limit", type=int, default=8, help="eval: AIME24 problems")
     parser.add_argument("--eval-repeats", type=int, default=8, help="eval: samples a problem")

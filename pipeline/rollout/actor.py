@@ -4,7 +4,9 @@ replaces an engine that dies."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -12,15 +14,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import create_engine
-from .engine import RequestOutput
+from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    """A rollout engine (``engine.backend``: :class:`Engine` or vLLM) inside a Ray actor; same methods, results
-    returned by value."""
+    """A rollout engine (``engine.backend``: :class:`Engine` or vLLM) inside a Ray actor, results returned by value.
+
+    A thread of its own steps the engine while requests run (:meth:`start`, :meth:`result`), so that requests can
+    join and weights arrive while it generates (the actor takes calls concurrently); a condition lets either the
+    loop step the engine or one call change it, and a call waiting for its turn goes before the loop's next step.
+    Weights loaded while sequences run (this package's engine) are what they continue under (partial rollouts);
+    each completion then lists where its tokens' weights changed (``weight_versions``)."""
 
     def __init__(self, model, tokenizer=None, sleep_between_calls: bool = False, **engine_kwargs):
         from ..storage import materialize
@@ -32,16 +39,95 @@ class RolloutWorker:
         self.engine = create_engine(model, tokenizer, **engine_kwargs)
         self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
         self.busy_s = 0.0  # seconds spent generating (the rest of its life it waited for the trainer)
+        self._cond, self._counting = threading.Condition(), threading.Lock()
+        self._waiting_calls = 0  # calls waiting for the engine: the loop lets them in before its next step
+        self._done: dict[str, RequestOutput] = {}
+        self._changes: dict[str, list[tuple[int, dict]]] = {}  # request -> (weights version, sample -> tokens before)
+        self._error: BaseException | None = None
+        self._loop: threading.Thread | None = None
         if sleep_between_calls:  # and until the first: the trainer loads its model after the engines start
             self.engine.sleep()
 
-    def generate(self, prompts, sampling_params) -> list[RequestOutput]:
-        start = time.perf_counter()
-        outputs = self.engine.generate(prompts, sampling_params)
-        if self.sleep_between_calls:
-            self.engine.sleep()
-        self.busy_s += time.perf_counter() - start
+    @contextmanager
+    def _turn(self):
+        """The engine to this call, between two steps of the loop (counted before it asks for the lock, which
+        the loop would otherwise take again step after step)."""
+        with self._counting:
+            self._waiting_calls += 1
+        try:
+            with self._cond:
+                yield
+        finally:
+            with self._counting:
+                self._waiting_calls -= 1
+            with self._cond:
+                self._cond.notify_all()
+
+    def start(self, prompts, sampling_params) -> list[str]:
+        """Adds requests (those running go on) and returns their ids at once; :meth:`result` waits for them."""
+        with self._turn():
+            if not self.engine.has_unfinished():
+                self.engine.wake_up()  # a sleeping engine plans its memory before the requests are checked
+            ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+            for i in ids:
+                self._changes[i] = [(self.engine.weights_version, {})]
+        if self._loop is None:
+            self._loop = threading.Thread(target=self._serve, name="engine-loop", daemon=True)
+            self._loop.start()
+        return ids
+
+    def result(self, ids: list[str]) -> list[RequestOutput]:
+        """:meth:`start`'s requests once every one has finished, in order."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or all(i in self._done for i in ids))
+            if self._error is not None:
+                raise RuntimeError(f"the engine's loop failed: {self._error!r}") from self._error
+            outputs = [self._done.pop(i) for i in ids]
+            for out in outputs:
+                changes = self._changes.pop(out.request_id)
+                if len(changes) > 1:  # the weights changed while it ran
+                    for completion in out.outputs:
+                        completion.weight_versions = weight_versions(changes, completion.index)
+            if self.sleep_between_calls and not self.engine.has_unfinished():
+                self.engine.sleep()
         return outputs
+
+    def generate(self, prompts, sampling_params) -> list[RequestOutput]:
+        return self.result(self.start(prompts, sampling_params))
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self.engine.has_unfinished() and not self._waiting_calls)
+                start = time.perf_counter()
+                try:
+                    for out in self.engine.step():
+                        self._done[out.request_id] = out
+                except BaseException as error:  # noqa: BLE001 - handed to the callers waiting in result()
+                    self._error = error
+                    self._cond.notify_all()
+                    return
+                self.busy_s += time.perf_counter() - start
+                self._cond.notify_all()
+
+    def _load(self, weights, version: int | None) -> int:
+        """Loads weights between two steps; requests running continue under them (this package's engine)."""
+        with self._turn():
+            if not self.engine.has_unfinished():
+                self.engine.update_weights(weights, version)
+            elif not isinstance(self.engine, Engine):
+                raise RuntimeError(f"weights while requests run: the {type(self.engine).__name__} cannot continue "
+                                   "them under new weights (partial rollouts need engine.backend: sse)")
+            else:
+                queued = int(self.engine.overlap)  # a decode step queued before the load used the old weights
+                tokens = {}
+                for seq in [*self.engine.scheduler.running, *self.engine.scheduler.resuming]:
+                    tokens.setdefault(seq.request.id, {})[seq.index] = len(seq.token_ids) + queued
+                self.engine.update_weights(weights, version, in_flight=True)
+                for request_id, changes in self._changes.items():
+                    if request_id not in self._done:  # (finished ones wait for their caller)
+                        changes.append((self.engine.weights_version, tokens.get(request_id, {})))
+        return self._updated()
 
     def _updated(self) -> int:
         """The engine's weight version once its copies are done on the device: a sync is timed to completion, and
@@ -51,16 +137,14 @@ class RolloutWorker:
         return self.engine.weights_version
 
     def update_weights(self, weights, version: int | None = None) -> int:
-        self.engine.update_weights(weights, version)
-        return self._updated()
+        return self._load(weights, version)
 
     def open_weights(self, shared: list, version: int) -> int:
         """Copies the weights from the trainer's GPU buckets (:func:`pipeline.rollout.weight_sync.share`); returns
         once the copies are done, so that the trainer may free its buckets."""
         from .weight_sync import opened
 
-        self.engine.update_weights(opened(shared), version)
-        return self._updated()
+        return self._load(opened(shared), version)
 
     def broadcast_device(self) -> str:
         """The device broadcast weights arrive on: asked before the sync group forms, so that an engine that cannot
@@ -81,8 +165,7 @@ class RolloutWorker:
         from .weight_sync import receive
 
         device = self.engine.device if self.sync_backend == "nccl" else torch.device("cpu")
-        self.engine.update_weights(receive(self.sync_group, layout, device), version)
-        return self._updated()
+        return self._load(receive(self.sync_group, layout, device), version)
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         """The dtype of each of the engine's weights (none known for an engine without a module of ours)."""
@@ -95,6 +178,17 @@ class RolloutWorker:
 
     def capacity(self, seq_len: int | None = None) -> int:
         return self.engine.capacity(seq_len)
+
+
+def weight_versions(changes: list[tuple[int, dict]], sample: int) -> list[tuple[int, int]]:
+    """``[(first token, weights version), ...]`` of one sample from its request's changes (a sample not yet started
+    at a change generated every token under the new weights; the boundary may be a token late or early, where a
+    preemption recomputed the sequence)."""
+    out = [(0, changes[0][0])]
+    for version, tokens in changes[1:]:
+        at = tokens.get(sample, 0)
+        out = [(0, version)] if at == 0 else out + [(at, version)]
+    return out
 
 
 def gathered(state_dict, dtypes: dict) -> dict[str, torch.Tensor]:
@@ -154,7 +248,8 @@ class EngineFleet:
         (:mod:`pipeline.placement`); a replacement takes its predecessor's bundle."""
         if weight_sync not in ("object_store", "nccl", "gloo", "cuda_ipc"):
             raise ValueError(f"weight_sync must be 'object_store', 'nccl', 'gloo' or 'cuda_ipc', got {weight_sync!r}")
-        self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None)(RolloutWorker)
+        self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None,
+                                 max_concurrency=4)(RolloutWorker)  # calls beside the one waiting for results
         self._group_of, self._bundles = placement_group, bundles
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
         self.max_restarts, self.restarts = max_restarts, 0
@@ -189,9 +284,10 @@ class EngineFleet:
         return generation
 
     def _submit_shard(self, generation: Generation, i: int):
+        """Engine ``i``'s share, started (the ids of its requests, as a future)."""
         shard = generation.shards[i]
-        return self.workers[i].generate.remote([generation.prompts[j] for j in shard],
-                                               [generation.params[j] for j in shard])
+        return self.workers[i].start.remote([generation.prompts[j] for j in shard],
+                                            [generation.params[j] for j in shard])
 
     def collect(self, generation: Generation) -> list[RequestOutput]:
         """The results of :meth:`submit`'s generation, in request order; an engine that died meanwhile is replaced
@@ -199,9 +295,9 @@ class EngineFleet:
         results: list[RequestOutput | None] = [None] * len(generation.prompts)
         pending = generation.pending
         while pending:
-            i, future = next(iter(pending.items()))
+            i, started = next(iter(pending.items()))
             try:
-                outs = ray.get(future)
+                outs = ray.get(self.workers[i].result.remote(started))  # (Ray hands it the ids once started)
             except ray.exceptions.RayActorError as error:
                 self._replace(i, error)
                 pending[i] = self._submit_shard(generation, i)
@@ -225,6 +321,11 @@ class EngineFleet:
             self._weights = _put(self._source, self._dtypes)
         if self._weights is not None:
             ray.get(self.workers[i].update_weights.remote(self._weights, self._version))
+
+    @property
+    def version(self) -> int:
+        """The weights version of the last sync."""
+        return self._version
 
     def update_weights(self, state_dict) -> list[int]:
         """Brings every engine to ``state_dict`` (the next version) and returns the engines' versions once each

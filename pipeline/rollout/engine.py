@@ -345,12 +345,12 @@ class Engine:
             bar.close()
         return [results[i] for i in ids]
 
-    def update_weights(self, weights, version: int | None = None) -> None:
-        """Loads new weights in place, between batches: a state dict, a checkpoint directory, or an iterable of
-        ``(name, tensor)`` pairs as they arrive (:func:`pipeline.rollout.weight_sync.receive`). ``version``
-        sets the weights' version instead of counting this load (an engine that replaces a dead one joins
-        its fleet at the fleet's version)."""
-        if self.has_unfinished():
+    def update_weights(self, weights, version: int | None = None, in_flight: bool = False) -> None:
+        """Loads new weights in place, between steps: a state dict, a checkpoint directory, or ``(name, tensor)``
+        pairs as they arrive (:func:`pipeline.rollout.weight_sync.receive`). ``version`` sets the weights' version
+        (a replacement joins its fleet at the fleet's). Refused while requests run unless ``in_flight``: they then
+        continue under the new weights from the states and KV they hold (partial rollouts)."""
+        if self.has_unfinished() and not in_flight:
             raise RuntimeError("update_weights while requests are in flight; call it between batches")
         if isinstance(weights, (str, Path)):
             from sse_model.checkpoint import load_pretrained

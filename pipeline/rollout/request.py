@@ -17,6 +17,8 @@ class CompletionOutput:
     logprobs: list[float] | None
     finish_reason: str | None  # "stop" | "length"
     stop_reason: int | str | None = None
+    # (first token, weights version) where the weights changed while it was generated (partial rollouts); None: one
+    weight_versions: list[tuple[int, int]] | None = None
 
 
 @dataclass

@@ -54,6 +54,20 @@ logger = logging.getLogger(__name__)
 
 
 
+def off_policy_share(outputs: list, started: int, current: int) -> float:
+    """The share of generated tokens whose weights are older than ``current`` (the policy about to train on them):
+    each completion's tokens by its ``weight_versions``, else all under ``started``."""
+    old = total = 0
+    for out in outputs:
+        for completion in out.outputs:
+            n = len(completion.token_ids)
+            changes = completion.weight_versions or [(0, started)]
+            ends = [at for at, _ in changes[1:]] + [n]
+            old += sum(end - at for (at, version), end in zip(changes, ends) if version < current)
+            total += n
+    return old / total if total else 0.0
+
+
 def sampling_key(step: int, round_: int) -> int:
     """The seed group of a sampling round: distinct for every (step, round) pair."""
     return step * MAX_SAMPLING_ROUNDS + round_
@@ -175,6 +189,8 @@ class SSEGRPOConfig(GRPOConfig):
         "help": "Tokens in one packed forward at most; default: as many as the padded micro-batch would hold."})
     max_staleness: int = field(default=0, metadata={
         "help": "Generation batches the engines generate ahead of the trainer (0 or 1)."})
+    partial_rollouts: bool = field(default=False, metadata={
+        "help": "Generating ahead, push the weights while sequences run; they continue under them."})
 
 
 class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
@@ -273,16 +289,23 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         engines generate the next batch while the trainer trains on this one."""
         j = self.state.global_step // self.steps_per_batch
         last = -(-self.state.max_steps // self.steps_per_batch) - 1
+        partial = self.args.partial_rollouts
         if j not in self._ahead:  # the first batch of a run or of a resume: nothing was generated ahead
             self.sync_weights()
             self._submit_ahead(j)
+        elif partial:  # batch j's sequences still running continue under these weights
+            self.sync_weights()
+        if partial and j < last:  # the engines start it as batch j's sequences finish
+            self._submit_ahead(j + 1)
         generation, rows, submitted_at = self._ahead.pop(j)
         start = time.perf_counter()
         self._ready = self.fleet.collect(generation)
         self.timer.add("rollout", time.perf_counter() - start)  # the trainer waiting for the engines
         self.timer.set("async/staleness", (self.state.global_step - submitted_at) / self.steps_per_batch)
         self.timer.set("async/weights_version", generation.weights_version)
-        if j < last:
+        self.timer.set("async/off_policy_tokens", off_policy_share(self._ready, generation.weights_version,
+                                                                   self.fleet.version))
+        if j < last and not partial:
             self.sync_weights()
             self._submit_ahead(j + 1)
         return rows
