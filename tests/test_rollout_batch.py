@@ -227,7 +227,7 @@ class SubmittedAhead(FixedCompletions):
         self.version += 1
         self.events.append(("sync", self.version))
 
-    def submit(self, prompt_ids, params):
+    def submit(self, prompt_ids, params, joins=True):
         self.events.append(("submit", tuple(self.tokenizer.decode(ids) for ids in prompt_ids), self.version))
         from pipeline.rollout.actor import Generation
 

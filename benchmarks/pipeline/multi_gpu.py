@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="grpo: grpo.max_staleness values (1: the engines generate a batch ahead; split only)")
     parser.add_argument("--partial", action="store_true",
-                        help="grpo: also generating ahead with partial rollouts (weights pushed into running sequences)")
+                        help="grpo: also generating ahead with partial rollouts (weights into running sequences)")
     parser.add_argument("--new-tokens", type=int, default=4096, help="grpo, eval: tokens a completion may take")
     parser.add_argument("--eval-limit", type=int, default=8, help="eval: AIME24 problems")
     parser.add_argument("--eval-repeats", type=int, default=8, help="eval: samples a problem")

@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 class RolloutWorker:
     """A rollout engine (``engine.backend``: :class:`Engine` or vLLM) inside a Ray actor, results returned by value.
 
-    A thread of its own steps the engine while requests run (:meth:`start`, :meth:`result`), so that requests can
-    join and weights arrive while it generates (the actor takes calls concurrently); a condition lets either the
-    loop step the engine or one call change it, and a call waiting for its turn goes before the loop's next step.
+    :meth:`generate` is one blocking call. Beside it, a thread of its own steps the engine while requests run
+    (:meth:`start`, :meth:`result`), so that requests can join and weights arrive while it generates (the actor's
+    calls return while the loop runs); a condition lets either the loop step the engine or one call use it, and a
+    call waiting for its turn goes before the loop's next step.
     Weights loaded while sequences run (this package's engine) are what they continue under (partial rollouts);
     each completion then lists where its tokens' weights changed (``weight_versions``)."""
 
@@ -93,7 +94,14 @@ class RolloutWorker:
         return outputs
 
     def generate(self, prompts, sampling_params) -> list[RequestOutput]:
-        return self.result(self.start(prompts, sampling_params))
+        """One blocking call: the engine's own ``generate`` in this thread (the engine's loop is for :meth:`start`)."""
+        with self._turn():
+            start = time.perf_counter()
+            outputs = self.engine.generate(prompts, sampling_params)
+            if self.sleep_between_calls:
+                self.engine.sleep()
+            self.busy_s += time.perf_counter() - start
+        return outputs
 
     def _serve(self) -> None:
         while True:
@@ -127,7 +135,8 @@ class RolloutWorker:
                 for request_id, changes in self._changes.items():
                     if request_id not in self._done:  # (finished ones wait for their caller)
                         changes.append((self.engine.weights_version, tokens.get(request_id, {})))
-        return self._updated()
+            # inside the turn: no CUDA call from this thread while the loop may capture a graph
+            return self._updated()
 
     def _updated(self) -> int:
         """The engine's weight version once its copies are done on the device: a sync is timed to completion, and
@@ -158,7 +167,8 @@ class RolloutWorker:
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         from .weight_sync import process_group
 
-        self.sync_group, self.sync_backend = process_group(host, port, rank, world_size, backend), backend
+        with self._turn():  # (NCCL may touch the device: not while the loop captures a graph)
+            self.sync_group, self.sync_backend = process_group(host, port, rank, world_size, backend), backend
 
     def receive_weights(self, layout, version: int) -> int:
         """Takes the weights the trainer broadcasts over the sync group, bucket by bucket."""
@@ -214,14 +224,15 @@ def _put(state_dict, dtypes: dict | None = None) -> ray.ObjectRef:
 
 @dataclass
 class Generation:
-    """A generation submitted to a fleet: its requests, each engine's share and the futures not yet collected, and
-    the weight version the engines generate it with."""
+    """A generation submitted to a fleet: its requests, each engine's share and the futures not yet collected, the
+    weight version the engines start it with, and whether it joins the engines' loops (:meth:`EngineFleet.submit`)."""
 
     prompts: list
     params: list[SamplingParams]
     shards: list[list[int]]
     pending: dict
     weights_version: int
+    joins: bool = True
 
 
 class EngineFleet:
@@ -248,8 +259,7 @@ class EngineFleet:
         (:mod:`pipeline.placement`); a replacement takes its predecessor's bundle."""
         if weight_sync not in ("object_store", "nccl", "gloo", "cuda_ipc"):
             raise ValueError(f"weight_sync must be 'object_store', 'nccl', 'gloo' or 'cuda_ipc', got {weight_sync!r}")
-        self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None,
-                                 max_concurrency=4)(RolloutWorker)  # calls beside the one waiting for results
+        self._actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or None)(RolloutWorker)
         self._group_of, self._bundles = placement_group, bundles
         self._args, self._kwargs = (model, tokenizer), engine_kwargs
         self.max_restarts, self.restarts = max_restarts, 0
@@ -272,22 +282,24 @@ class EngineFleet:
         return actor.remote(*self._args, **self._kwargs)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        return self.collect(self.submit(prompts, sampling_params))
+        return self.collect(self.submit(prompts, sampling_params, joins=False))
 
-    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams]) -> Generation:
-        """Starts a generation and returns at once (the engines serve their calls in order, a weight sync included):
-        the trainer trains while the engines generate, and :meth:`collect` takes the results."""
+    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams], joins: bool = True) -> Generation:
+        """Starts a generation and returns at once: the trainer trains while the engines generate, and
+        :meth:`collect` takes the results. ``joins``: the requests join whatever the engines run, on their own
+        loops, and weights synced meanwhile reach them (:meth:`RolloutWorker.start`); else one blocking call per
+        engine (:meth:`RolloutWorker.generate`), after which a sync waits."""
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         shards = [list(range(i, len(prompts), len(self.workers))) for i in range(len(self.workers))]
-        generation = Generation(prompts, params, shards, {}, self._version)
+        generation = Generation(prompts, params, shards, {}, self._version, joins)
         generation.pending = {i: self._submit_shard(generation, i) for i, idx in enumerate(shards) if idx}
         return generation
 
     def _submit_shard(self, generation: Generation, i: int):
-        """Engine ``i``'s share, started (the ids of its requests, as a future)."""
+        """Engine ``i``'s share: started (a future of its requests' ids), or a future of its outputs."""
         shard = generation.shards[i]
-        return self.workers[i].start.remote([generation.prompts[j] for j in shard],
-                                            [generation.params[j] for j in shard])
+        call = self.workers[i].start if generation.joins else self.workers[i].generate
+        return call.remote([generation.prompts[j] for j in shard], [generation.params[j] for j in shard])
 
     def collect(self, generation: Generation) -> list[RequestOutput]:
         """The results of :meth:`submit`'s generation, in request order; an engine that died meanwhile is replaced
@@ -295,9 +307,9 @@ class EngineFleet:
         results: list[RequestOutput | None] = [None] * len(generation.prompts)
         pending = generation.pending
         while pending:
-            i, started = next(iter(pending.items()))
-            try:
-                outs = ray.get(self.workers[i].result.remote(started))  # (Ray hands it the ids once started)
+            i, future = next(iter(pending.items()))
+            try:  # (Ray hands result() the ids once they are started)
+                outs = ray.get(self.workers[i].result.remote(future) if generation.joins else future)
             except ray.exceptions.RayActorError as error:
                 self._replace(i, error)
                 pending[i] = self._submit_shard(generation, i)

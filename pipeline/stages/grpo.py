@@ -314,7 +314,8 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         rows = self._batch_ahead(j)
         key = sampling_key(j * self.steps_per_batch, 0)  # the seeds the synchronous run gives this batch
         prompt_ids, params = self._requests([r["prompt"] for r in rows], key)
-        self._ahead[j] = (self.fleet.submit(prompt_ids, params), rows, self.state.global_step)
+        generation = self.fleet.submit(prompt_ids, params, joins=self.args.partial_rollouts)
+        self._ahead[j] = (generation, rows, self.state.global_step)
 
     def _generate_and_score_completions(self, inputs):
         self.sampling_round = 0
