@@ -12,6 +12,15 @@ from pipeline.metrics import read_metrics
 from pipeline.recipe import RecipeError, load_recipe
 
 
+@pytest.fixture(autouse=True)
+def _ray_down():
+    """Each test starts its own Ray: a run's cluster left up would hand the next test its CPUs (``ray.num_cpus``)."""
+    yield
+    import ray
+
+    ray.shutdown()
+
+
 def test_two_data_parallel_workers_train_like_one_process(tmp_path):
     """The distillation stage on 1 and on 2 workers (gloo, each with half the global batch of 8): the same loss
     at every step and the same final weights. The balance loss is off: it is a product of batch means, so each
