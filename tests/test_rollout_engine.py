@@ -579,6 +579,8 @@ def test_weights_synced_while_a_fleet_generates_reach_its_running_sequences(mode
         assert all(0 < v[1][0] < 400 for v in versions) and all(len(c.token_ids) == 400 for o in outs for c in o.outputs)
         again = fleet.generate(PROMPTS[:1], params)  # after the switch: one version, none listed
         assert again[0].outputs[0].weight_versions is None
+        running = fleet.submit(PROMPTS[:1], params)  # a blocking call while the loop runs: it joins, none is lost
+        assert len(fleet.generate(PROMPTS[1:2], params)[0].outputs) == 2 and len(fleet.collect(running)) == 1
         fleet.shutdown()
     finally:
         ray.shutdown()

@@ -94,14 +94,17 @@ class RolloutWorker:
         return outputs
 
     def generate(self, prompts, sampling_params) -> list[RequestOutput]:
-        """One blocking call: the engine's own ``generate`` in this thread (the engine's loop is for :meth:`start`)."""
+        """One blocking call: the engine's own ``generate`` in this thread; while the loop runs requests of
+        :meth:`start`, these join them (the engine's ``generate`` would step theirs and drop what finished)."""
         with self._turn():
-            start = time.perf_counter()
-            outputs = self.engine.generate(prompts, sampling_params)
-            if self.sleep_between_calls:
-                self.engine.sleep()
-            self.busy_s += time.perf_counter() - start
-        return outputs
+            if not self.engine.has_unfinished():
+                start = time.perf_counter()
+                outputs = self.engine.generate(prompts, sampling_params)
+                if self.sleep_between_calls:
+                    self.engine.sleep()
+                self.busy_s += time.perf_counter() - start
+                return outputs
+        return self.result(self.start(prompts, sampling_params))
 
     def _serve(self) -> None:
         while True:

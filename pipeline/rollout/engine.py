@@ -351,7 +351,7 @@ class Engine:
         (a replacement joins its fleet at the fleet's). Refused while requests run unless ``in_flight``: they then
         continue under the new weights from the states and KV they hold (partial rollouts)."""
         if self.has_unfinished() and not in_flight:
-            raise RuntimeError("update_weights while requests are in flight; call it between batches")
+            raise RuntimeError("update_weights while requests are in flight: between batches, or in_flight=True")
         if isinstance(weights, (str, Path)):
             from sse_model.checkpoint import load_pretrained
 
