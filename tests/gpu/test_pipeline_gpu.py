@@ -95,3 +95,49 @@ def test_cuda_ipc_weight_sync(caplog):
         fleet.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_weights_synced_into_running_sequences_on_the_gpu():
+    """Partial rollouts on CUDA: the engine's own loop thread steps it (CUDA graphs captured and replayed there)
+    while weights arrive by the object store between two of its steps; the running sequences finish under the new
+    weights with where they changed, and a generation after the switch is the new weights' alone: greedy tokens
+    equal an engine given those weights directly."""
+    ray = pytest.importorskip("ray")
+    import time
+
+    import torch
+
+    import kernels
+    from pipeline.rollout import Engine, SamplingParams
+    from pipeline.rollout.actor import EngineFleet
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    kernels.register()
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=512, hidden_size=512, num_heads=4, head_dim=128,
+                                   num_attention_heads=4, intermediate_size=1024, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    start = SSEForCausalLM(config)
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        fleet = EngineFleet(start, None, num_engines=1, num_gpus=1, max_slots=8, max_model_len=4096, device="cuda",
+                            dtype=torch.bfloat16)
+        sampled = SamplingParams(n=4, temperature=1.0, max_tokens=3000, seed=3, ignore_eos=True)
+        running = fleet.submit([[1, 2, 3, 4], list(range(5, 40))], sampled)
+        deadline = time.time() + 120
+        while ray.get(fleet.workers[0].get_stats.remote())["generated_tokens"] < 2000 and time.time() < deadline:
+            time.sleep(0.01)
+        torch.manual_seed(1)
+        policy = SSEForCausalLM(config)
+        assert fleet.update_weights(policy.state_dict()) == [1]
+        outs = fleet.collect(running)
+        versions = [c.weight_versions for o in outs for c in o.outputs]
+        assert all(v is not None and v[-1][1] == 1 and 0 < v[-1][0] < 3000 for v in versions), versions
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        reference = Engine(policy.cuda(), None, max_slots=4, max_model_len=4096, dtype=torch.bfloat16)
+        prompts = [[1, 2, 3, 4], list(range(5, 40))]
+        after = fleet.collect(fleet.submit(prompts, greedy))  # on the loop, CUDA graphs replayed with new weights
+        assert [o.outputs[0].token_ids for o in after] == \
+            [o.outputs[0].token_ids for o in reference.generate(prompts, greedy)]
+        fleet.shutdown()
+    finally:
+        ray.shutdown()
