@@ -597,7 +597,7 @@ def test_fleet_broadcasts_weights_over_a_process_group(model, tokenizer, caplog)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         fleet = EngineFleet(model, tokenizer, num_engines=2, max_slots=4, max_model_len=96, weight_sync="gloo",
-                            dtype=torch.bfloat16)
+                            dtype=torch.bfloat16, max_restarts=4)
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for version, seed in ((1, 7), (2, 8)):
             torch.manual_seed(seed)
@@ -618,6 +618,15 @@ def test_fleet_broadcasts_weights_over_a_process_group(model, tokenizer, caplog)
         ray.kill(fleet.workers[0], no_restart=True)
         assert fleet.update_weights(policy.state_dict()) == [3, 3] and fleet.restarts == 2
         assert fleet.update_weights(policy.state_dict()) == [4, 4]  # the group formed anew
+        # one that dies after that first question (a kill takes effect when it will): the broadcast fails, and the
+        # object store's sync replaces it first (it asked the dead engine for its dtypes and failed)
+        ray.kill(fleet.workers[0], no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            for _ in range(500):  # until the kill has taken effect
+                ray.get(fleet.workers[0].get_stats.remote())
+        asked = fleet._replace_dead
+        fleet._replace_dead = lambda: setattr(fleet, "_replace_dead", asked)  # its first question misses it
+        assert fleet.update_weights(policy.state_dict()) == [5, 5] and fleet.restarts == 3
         layout = Layout.of(policy.state_dict(), torch.bfloat16, bucket_bytes=4096)
         assert len(layout.buckets) > 1 and sum(len(b) for b in layout.buckets) == len(policy.state_dict())
         fleet.shutdown()

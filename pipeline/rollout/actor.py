@@ -365,6 +365,7 @@ class EngineFleet:
             except (RuntimeError, ray.exceptions.RayError) as error:  # a member died mid-sync
                 logger.warning("weight broadcast failed (%s); this sync goes through the object store", error)
                 self._group = None
+                self._replace_dead()  # (one that died after this sync's first question, too)
         if self._dtypes is None:
             self._dtypes = ray.get(self.workers[0].weight_dtypes.remote())
         self._weights = _put(state_dict, self._dtypes)
