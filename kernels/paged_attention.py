@@ -120,7 +120,8 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
                            tokens_per_step: int = 64, splits: int | None = None,
                            slots: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
-    ``lengths[b]`` (>= 1) cached tokens; float8 pools are widened to ``q``'s dtype as they are read. ``H`` a multiple of the pools' ``H_kv``; ``D`` a power of two from 16.
+    ``lengths[b]`` (>= 1) cached tokens (float8 pools widened to fp16 as they are read). ``H`` a multiple of the
+    pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
@@ -214,5 +215,5 @@ def rotary_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         q, k, v, positions, inv_freq, float(factor), pool_k, pool_v, tables, lengths, slots, q_out,
         H, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions.stride(0),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
-        HALF=D // 2, BLOCK_SIZE=pool_k.shape[2], LIMIT=448.0 if fp8 else 0.0, num_warps=1)
+        HALF=D // 2, BLOCK_SIZE=pool_k.shape[2], LIMIT=torch.finfo(pool_k.dtype).max if fp8 else 0.0, num_warps=1)
     return q_out

@@ -20,30 +20,11 @@ import time
 import torch
 
 from benchmarks.kernels.bench_sse import copy_bandwidth
-from benchmarks.rollout.benchmark import build, decode_step_bytes
+from benchmarks.rollout.benchmark import build, decode_step_bytes, decode_step_ms
 from pipeline.rollout.engine import Engine
 from pipeline.rollout.sampling import SamplingParams
 
 KV_BYTES = {"auto": 2, "fp8": 1}
-
-
-def decode_step_ms(engine: Engine, batch: int, context: int, steps: int = 20) -> float:
-    slots = torch.arange(batch, device="cuda")
-    ids = torch.randint(100, 1000, (batch,), device="cuda")
-    cache = engine.cache
-    cache.grow(list(range(batch)), [context + 1] * batch)
-    cache.lengths[:batch] = context
-    cache.view_blocks = cache.blocks_for(context + 1)
-    with torch.no_grad():
-        for _ in range(3):
-            engine.runner.forward_decode(ids, slots)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.runner.forward_decode(ids, slots)
-        torch.cuda.synchronize()
-    cache.reset(slots)
-    return (time.perf_counter() - start) / steps * 1e3
 
 
 def generate_rate(engine: Engine, prompts: int, new_tokens: int) -> float:

@@ -49,6 +49,27 @@ def decode_step_bytes(model, batch: int, context: int) -> dict[str, int]:
     return {"weights": weights, "states": states, "KV": kv}
 
 
+def decode_step_ms(engine: Engine, batch: int, context: int, steps: int = 20) -> float:
+    """The engine's decode step (as it runs: CUDA graph, paged attention) for ``batch`` sequences each holding
+    ``context`` tokens: their KV blocks taken and lengths set (what a step reads does not depend on the values)."""
+    slots = torch.arange(batch, device="cuda")
+    ids = torch.randint(100, 1000, (batch,), device="cuda")
+    cache = engine.cache
+    cache.grow(list(range(batch)), [context + 1] * batch)  # the KV blocks the step reads and writes
+    cache.lengths[:batch] = context
+    cache.view_blocks = cache.blocks_for(context + 1)
+    with torch.no_grad():
+        for _ in range(3):
+            engine.runner.forward_decode(ids, slots)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.runner.forward_decode(ids, slots)
+        torch.cuda.synchronize()
+    cache.reset(slots)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def hf_generate(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     ids = torch.randint(100, 1000, (batch, prompt_len), device="cuda")
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_new_tokens=new_tokens,
@@ -116,23 +137,8 @@ def main() -> None:
 
     # decode step vs roofline at the full batch
     B = args.prompts * args.samples
-    slots = torch.arange(B, device="cuda")
-    ids = torch.randint(100, 1000, (B,), device="cuda")
     context = args.prompt_len + args.new_tokens // 2
-    engine.cache.grow(list(range(B)), [context + 1] * B)  # the KV blocks the step reads and writes
-    engine.cache.lengths[:B] = context
-    engine.cache.view_blocks = engine.cache.blocks_for(context + 1)
-    with torch.no_grad():
-        for _ in range(3):
-            engine.runner.forward_decode(ids, slots)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        steps = 20
-        for _ in range(steps):
-            engine.runner.forward_decode(ids, slots)
-        torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
-    engine.cache.reset(slots)
+    step_ms = decode_step_ms(engine, B, context)
     bw = copy_bandwidth()
     cfg = model.config
     parts = decode_step_bytes(model, B, context)

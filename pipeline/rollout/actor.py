@@ -269,8 +269,9 @@ class EngineFleet:
         self.weight_sync = weight_sync
         self.sleeps = bool(engine_kwargs.get("sleep_between_calls"))  # its engines share a trainer's GPU memory
         self._group = None  # the broadcast group, formed at the first sync (again after a replacement)
-        # the latest synced weights, for a replacement: an object ref, or (broadcast) the trainer's state dict,
-        # whose tensors do not change while the fleet generates (the trainer waits for the rollout)
+        # the latest synced weights, for a replacement: an object ref, or (broadcast, CUDA IPC) the trainer's state
+        # dict, whose tensors change only when the trainer steps (generating ahead, a replacement made while the
+        # trainer trains gets its newer weights; each token's engine log-prob still feeds the correction)
         self._weights, self._source, self._version = None, None, 0
         self._dtypes: dict | None = None  # the engines' weight dtypes, asked once (object-store sync)
         self.busy_s = 0.0  # the engines' seconds spent generating, summed, as of the last sync

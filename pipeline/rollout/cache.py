@@ -13,12 +13,14 @@ from sse_model.cache import LinearLayerState, linear_state_shapes
 from sse_model.configuration_sse import ATTENTION_MIXERS
 from sse_model.ops.dispatch import note_declined
 
-FP8_MAX = 448.0  # e4m3's largest finite value: casting beyond it gives NaN, so values are clamped first
+from .options import KV_CACHE_DTYPES
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # casting beyond it gives NaN, so values are clamped first
 
 
 def kv_dtype_of(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The KV pools' dtype for an engine option ``kv_cache_dtype`` (``auto``: the engine's ``dtype``)."""
-    if kv_cache_dtype not in ("auto", "fp8"):
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
     return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
 
@@ -87,7 +89,7 @@ class SlotCache:
                  num_blocks: int | None = None, block_size: int = 256, paged_decode: bool | None = None,
                  kv_dtype: torch.dtype | None = None):
         self.config, self.max_slots, self.max_len, self.block_size = config, max_slots, max_len, block_size
-        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        self.kv_dtype = kv_dtype or dtype
         self.max_blocks_per_slot = -(-max_len // block_size)
         if num_blocks is None:  # every slot can reach max_len
             num_blocks = max_slots * self.max_blocks_per_slot
