@@ -264,6 +264,7 @@ def test_generating_ahead_submits_the_next_batch_before_training_on_this_one(tmp
     assert question[1] in trainer.processing_class.decode(batch["prompt_ids"][0])
     spans, counts = trainer.timer.take()
     assert counts["async/staleness"] == 1.0 and counts["async/weights_version"] == 1
+    assert counts["async/off_policy_tokens"] == 1.0  # made by the weights before batch 0's step
     fleet.events.clear()
     trainer.state.global_step = 2
     trainer._generate_and_score_completions(inputs)

@@ -286,7 +286,8 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
     def _collect_ahead(self) -> list[dict]:
         """Asynchronous GRPO: collects this generation batch (submitted one batch earlier, or now after a start or
         a resume), syncs the weights, submits the next batch, and returns this one's rows for TRL to score; the
-        engines generate the next batch while the trainer trains on this one."""
+        engines generate the next batch while the trainer trains on this one. With partial rollouts the sync and
+        the next batch come before the collection, so this batch's running sequences finish under the new weights."""
         j = self.state.global_step // self.steps_per_batch
         last = -(-self.state.max_steps // self.steps_per_batch) - 1
         partial = self.args.partial_rollouts
@@ -303,8 +304,9 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         self.timer.add("rollout", time.perf_counter() - start)  # the trainer waiting for the engines
         self.timer.set("async/staleness", (self.state.global_step - submitted_at) / self.steps_per_batch)
         self.timer.set("async/weights_version", generation.weights_version)
-        self.timer.set("async/off_policy_tokens", off_policy_share(self._ready, generation.weights_version,
-                                                                   self.fleet.version))
+        # the policy that trains on it: the fleet's weights, or one step newer if the trainer stepped since the sync
+        current = self.fleet.version + (self._synced_step != self.state.global_step)
+        self.timer.set("async/off_policy_tokens", off_policy_share(self._ready, generation.weights_version, current))
         if j < last and not partial:
             self.sync_weights()
             self._submit_ahead(j + 1)
