@@ -76,25 +76,32 @@ def distill_rate(run_dir: Path) -> dict:
             "first_step_s": rows[0]["time/step_s"], "steps": rows[-1]["step"]}
 
 
-def bench_distill(args) -> list[dict]:
+def run_all(args, stage: str, recipe: str, plans: list[tuple[str, int, list[str], dict]], measure) -> list[dict]:
+    """Each planned run ``(name, GPUs, overrides, fields of its row)`` in turn, in ``args.out``: its row is the
+    fields, how it ran (:func:`run_stage`) and ``measure(its folder, its log)``, printed as it ends."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = out / "long_records.jsonl"
-    if not data.exists():
-        write_long_records(data, 2000, 32768 - 256)
     results = []
-    for sharding in args.sharding:
-        for gpus in args.gpus:
-            name = f"distill-{args.preset}-{sharding}-{gpus}gpu"
-            overrides = [*DRY_RUN, f"model.preset={args.preset}", f"distill.data.source={data}",
-                         f"distill.max_steps={args.steps}", f"sharding={sharding}", f"output_dir={out / name}",
-                         *args.overrides]
-            print(f"{name}: running", flush=True)
-            run = run_stage("distill", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
-            results.append({"name": name, "gpus": gpus, "sharding": sharding, **run,
-                            **distill_rate(out / name)})
-            print(json.dumps(results[-1]), flush=True)
+    for name, gpus, overrides, fields in plans:
+        print(f"{name}: running", flush=True)
+        log = out / f"{name}.log"
+        run = run_stage(stage, recipe, [*overrides, f"output_dir={out / name}", *args.overrides], gpus, log,
+                        args.timeout)
+        results.append({"name": name, "gpus": gpus, **fields, **run, **measure(out / name, log)})
+        print(json.dumps(results[-1]), flush=True)
     return results
+
+
+def bench_distill(args) -> list[dict]:
+    data = Path(args.out) / "long_records.jsonl"
+    if not data.exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        write_long_records(data, 2000, 32768 - 256)
+    plans = [(f"distill-{args.preset}-{sharding}-{gpus}gpu", gpus,
+              [*DRY_RUN, f"model.preset={args.preset}", f"distill.data.source={data}",
+               f"distill.max_steps={args.steps}", f"sharding={sharding}"], {"sharding": sharding})
+             for sharding in args.sharding for gpus in args.gpus]
+    return run_all(args, "distill", "paper-2b", plans, lambda folder, log: distill_rate(folder))
 
 
 def distill_table(results: list[dict]) -> str:
@@ -116,20 +123,15 @@ def bench_same_steps(args) -> list[dict]:
     """The same 10 deterministic steps on each GPU count."""
     from pipeline.checkpoints import is_done
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for gpus in args.gpus:
-        name = f"same-steps-{gpus}gpu"
-        overrides = ["distill.max_steps=10", "distill.logging_steps=1", "distill.save_steps=100",
-                     "deterministic=true", f"output_dir={out / name}", *args.overrides]
-        run = run_stage("distill", "gpu-100m", overrides, gpus, out / f"{name}.log", args.timeout)
-        losses = [r["loss"] for r in read_metrics(out / name / "distill" / "metrics.jsonl") if "loss" in r]
-        results.append({"name": name, "gpus": gpus, **run, "losses": losses,
-                        "final": str(out / name / "distill" / "final") if is_done(out / name / "distill" / "final")
-                        else None})
-        print(json.dumps(results[-1]), flush=True)
-    return results
+    def measure(folder: Path, log: Path) -> dict:
+        final = folder / "distill" / "final"
+        return {"losses": [r["loss"] for r in read_metrics(folder / "distill" / "metrics.jsonl") if "loss" in r],
+                "final": str(final) if is_done(final) else None}
+
+    plans = [(f"same-steps-{gpus}gpu", gpus, ["distill.max_steps=10", "distill.logging_steps=1",
+                                              "distill.save_steps=100", "deterministic=true"], {})
+             for gpus in args.gpus]
+    return run_all(args, "distill", "gpu-100m", plans, measure)
 
 
 def same_steps_table(results: list[dict]) -> str:
@@ -173,9 +175,7 @@ def batch_split(run_dir: Path) -> dict:
 
 
 def bench_grpo(args) -> list[dict]:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
+    plans = []
     modes = [(s, False) for s in args.staleness] + [(1, True)] * args.partial  # (staleness, partial rollouts)
     for staleness, partial in modes:
         for placement in args.placement:
@@ -187,14 +187,10 @@ def bench_grpo(args) -> list[dict]:
                 overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
                              f"grpo.max_completion_length={args.new_tokens}", f"grpo.placement={placement}",
                              f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
-                             "grpo.save_steps=100", f"output_dir={out / name}", *args.overrides]
-                print(f"{name}: running", flush=True)
-                run = run_stage("grpo", "paper-2b", overrides, gpus, out / f"{name}.log", args.timeout)
-                results.append({"name": name, "gpus": gpus, "placement": placement,
-                                "staleness": f"{staleness}{' partial' if partial else ''}", **run,
-                                **batch_split(out / name)})
-                print(json.dumps(results[-1]), flush=True)
-    return results
+                             "grpo.save_steps=100"]
+                plans.append((name, gpus, overrides,
+                              {"placement": placement, "staleness": f"{staleness}{' partial' if partial else ''}"}))
+    return run_all(args, "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder))
 
 
 def grpo_table(results: list[dict]) -> str:
@@ -219,28 +215,21 @@ def bench_eval(args) -> list[dict]:
 
     from common.files import read_text
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for gpus in args.gpus:
-        name = f"eval-{args.preset}-{gpus}gpu"
-        overrides = [*DRY_RUN, f"model.preset={args.preset}", f"eval.limit={args.eval_limit}",
-                     f"eval.repeats={args.eval_repeats}", f"eval.max_new_tokens={args.new_tokens}",
-                     f"output_dir={out / name}", *args.overrides]
-        print(f"{name}: running", flush=True)
-        log = out / f"{name}.log"
-        run = run_stage("eval", "paper-2b", overrides, gpus, log, args.timeout)
+    def measure(folder: Path, log: Path) -> dict:
         found = re.search(r"generations in (\d+) s", log.read_text(errors="replace"))
-        row = {"name": name, "gpus": gpus, **run}
-        summaries = list((out / name / "eval").rglob("summary.json"))
-        if found and summaries:
-            benchmarks = json.loads(read_text(summaries[0]))["benchmarks"]
-            generated = sum(b["problems"] * b["repeats"] * b["mean_length"] for b in benchmarks.values())
-            row.update(generate_s=float(found.group(1)), generated=generated,
-                       generated_per_s=generated / float(found.group(1)))
-        results.append(row)
-        print(json.dumps(results[-1]), flush=True)
-    return results
+        summaries = list((folder / "eval").rglob("summary.json"))
+        if not (found and summaries):
+            return {}
+        benchmarks = json.loads(read_text(summaries[0]))["benchmarks"]
+        generated = sum(b["problems"] * b["repeats"] * b["mean_length"] for b in benchmarks.values())
+        seconds = float(found.group(1))
+        return {"generate_s": seconds, "generated": generated, "generated_per_s": generated / seconds}
+
+    plans = [(f"eval-{args.preset}-{gpus}gpu", gpus,
+              [*DRY_RUN, f"model.preset={args.preset}", f"eval.limit={args.eval_limit}",
+               f"eval.repeats={args.eval_repeats}", f"eval.max_new_tokens={args.new_tokens}"], {})
+             for gpus in args.gpus]
+    return run_all(args, "eval", "paper-2b", plans, measure)
 
 
 def eval_table(results: list[dict]) -> str:
