@@ -176,9 +176,9 @@ def fit_prompt(tokenizer, problem: str, instruction: str, max_tokens: int | None
 def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend: GenerationBackend, tokenizer,
                        sampling: SamplingConfig, log: GenerationLog, progress: bool = True,
                        instruction: str = INSTRUCTION, shard: tuple[int, int] = (0, 1),
-                       max_prompt_tokens: int | None = None, long_prompts: str = "skip") -> None:
+                       max_prompt_tokens: int | None = None, long_prompts: str = "skip") -> int:
     """Generates every (problem, sample) of this shard that the log does not hold yet for the same problem
-    text (a record of a problem whose text changed does not count). A prompt over ``max_prompt_tokens`` is
+    text (a record of a problem whose text changed does not count); returns the tokens it generated. A prompt over ``max_prompt_tokens`` is
     not generated (``long_prompts="skip"``: recorded with finish reason ``prompt_too_long``, scored wrong) or
     has its problem text shortened (``"truncate"``, finish reason of the generation kept, ``prompt_truncated``)."""
     if long_prompts not in ("skip", "truncate"):
@@ -201,7 +201,7 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
         todo += [(i, p, s) for s in samples]
         prompts += [prompt] * len(samples)
     if not todo:
-        return
+        return 0
     seeds = [request_seed(sampling.seed, i, s) for i, _, s in todo]
     bar = progress_bar(progress, len(todo), name)
     tokens, start = 0, time.perf_counter()
@@ -218,6 +218,7 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
         else:
             bar.set_description(f"{name} ({rate} tok/s)")
     bar.close()
+    return tokens
 
 
 def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, verifier: MathVerifier,
@@ -327,14 +328,15 @@ def generate(
     fresh: bool = False,
     max_prompt_tokens: int | None = None,
     long_prompts: str = "skip",
-) -> None:
-    """Generation only, for one shard of the (problem, sample) pairs; resumable. Generations already in
+) -> int:
+    """Generation only, for one shard of the (problem, sample) pairs; resumable; returns the tokens generated. Generations already in
     ``output_dir`` are reused only if the same model (``model_id``, default :func:`model_identity`) made them
     with the same sampling settings and instruction; see :func:`check_settings`."""
     output_dir = Path(output_dir)
     model_id = model_id or model_identity(model)
     model, tokenizer = _load_model(model, tokenizer)
     backend = backend or HFGenerateBackend(model.eval(), tokenizer)
+    tokens = 0
     for name in benchmarks:
         problems = load_problems(name, field_map=field_map, limit=limit)
         path = _log_path(output_dir, name, shard)
@@ -342,10 +344,11 @@ def generate(
                               "instruction": instruction}, fresh=fresh and shard[0] == 0)
         log = GenerationLog(path)
         try:
-            generate_benchmark(name, problems, _repeats(name, repeats), backend, tokenizer, sampling, log, progress,
-                               instruction, shard, max_prompt_tokens, long_prompts)
+            tokens += generate_benchmark(name, problems, _repeats(name, repeats), backend, tokenizer, sampling, log,
+                                         progress, instruction, shard, max_prompt_tokens, long_prompts)
         finally:
             log.close()
+    return tokens
 
 
 def score(

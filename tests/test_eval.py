@@ -258,8 +258,12 @@ def test_a_prompt_over_the_limit_does_not_abort_the_evaluation(tmp_path, policy)
                     + json.dumps({"problem": "Add these: " + "1+" * 400 + "1", "answer": "401"}) + "\n")
     sampling = SamplingConfig(max_new_tokens=4)
     out = tmp_path / "out"
-    run_generate(model, tokenizer, [str(data)], repeats=1, sampling=sampling, output_dir=out, progress=False,
-                 max_prompt_tokens=200, long_prompts=policy)
+    tokens = run_generate(model, tokenizer, [str(data)], repeats=1, sampling=sampling, output_dir=out,
+                          progress=False, max_prompt_tokens=200, long_prompts=policy)
+    records = [json.loads(line) for f in (out / "generations").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert tokens == sum(r["num_tokens"] for r in records) > 0  # what the eval stage's workers log as their rate
+    assert run_generate(model, tokenizer, [str(data)], repeats=1, sampling=sampling, output_dir=out, progress=False,
+                        max_prompt_tokens=200, long_prompts=policy) == 0  # a re-run generates nothing again
     verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
     summary = run_eval(model, tokenizer, [str(data)], repeats=1, sampling=sampling, output_dir=out, verifier=verifier,
                        progress=False)

@@ -18,16 +18,19 @@ count: the per-step loss's largest relative difference from the first count's, a
 difference.
 
 ``grpo``: ``recipes/paper-2b``'s GRPO as the dry run shrinks it (8 prompts x 8 rollouts a generation batch, random
-weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most, for each GPU count and
-placement (``colocated``: a trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of
-their own) and ``--staleness`` (1: the engines generate the next batch while the trainers train, split only;
-``--partial`` adds that with partial rollouts); the
-second batch's time split (rollout, weight sync, reward, training) and its generated tokens over
-its whole wall-clock (the first batch compiles).
+weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most (the overlong penalty's
+window an eighth of that, as the recipe's 4,096 of 32,768), for each GPU count and placement (``colocated``: a
+trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of their own) and
+``--staleness`` (1: the engines generate the next batch while the trainers train, split only; ``--partial`` adds
+that with partial rollouts); the second batch's time split (rollout, weight sync, reward, training) and its
+generated tokens over its whole wall-clock (the first batch compiles).
 
 ``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
-``--eval-repeats`` samples up to ``--new-tokens`` tokens on each GPU count: the generation's wall-clock (model
-loading and engine start included, as the stage logs it) and generated tokens/s.
+``--eval-repeats`` samples (default all 30 x 32, the recipe's avg@32: more sequences than one engine runs at once)
+up to ``--new-tokens`` tokens on each GPU count: generated tokens over the slowest worker's generation seconds
+(each worker logs its own; model loading and engine start apart, in the stage's seconds).
+
+Every planned run's recipe and placement is checked before the first one starts.
 """
 
 from __future__ import annotations
@@ -76,9 +79,25 @@ def distill_rate(run_dir: Path) -> dict:
             "first_step_s": rows[0]["time/step_s"], "steps": rows[-1]["step"]}
 
 
+def check_plans(args, stage: str, recipe: str, plans: list[tuple[str, int, list[str], dict]]) -> None:
+    """Every planned run's recipe and placement resolved before the first one starts, so that a bad override
+    stops the bench in seconds, naming the run, rather than after the runs before it took the GPUs' time."""
+    from pipeline.placement import plan
+    from pipeline.recipe import RecipeError, load_recipe
+
+    for name, gpus, overrides, _ in plans:
+        try:
+            resolved = load_recipe(recipe, [*overrides, *args.overrides, f"ray.num_gpus={gpus}"])
+            plan(resolved, gpus, os.cpu_count() or 1, (stage,))
+        except RecipeError as error:
+            raise SystemExit(f"{name}: {error}") from None
+
+
 def run_all(args, stage: str, recipe: str, plans: list[tuple[str, int, list[str], dict]], measure) -> list[dict]:
-    """Each planned run ``(name, GPUs, overrides, fields of its row)`` in turn, in ``args.out``: its row is the
-    fields, how it ran (:func:`run_stage`) and ``measure(its folder, its log)``, printed as it ends."""
+    """Each planned run ``(name, GPUs, overrides, fields of its row)`` in turn, in ``args.out``, once all are
+    checked (:func:`check_plans`): its row is the fields, how it ran (:func:`run_stage`) and ``measure(its
+    folder, its log)``, printed as it ends."""
+    check_plans(args, stage, recipe, plans)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -92,16 +111,17 @@ def run_all(args, stage: str, recipe: str, plans: list[tuple[str, int, list[str]
     return results
 
 
-def bench_distill(args) -> list[dict]:
+def bench_distill(args, write_data: bool = True):
+    """A bench's runs: ``(stage, recipe, [(name, GPUs, overrides, fields of its row)], measure)``."""
     data = Path(args.out) / "long_records.jsonl"
-    if not data.exists():
+    if write_data and not data.exists():
         data.parent.mkdir(parents=True, exist_ok=True)
         write_long_records(data, 2000, 32768 - 256)
     plans = [(f"distill-{args.preset}-{sharding}-{gpus}gpu", gpus,
               [*DRY_RUN, f"model.preset={args.preset}", f"distill.data.source={data}",
                f"distill.max_steps={args.steps}", f"sharding={sharding}"], {"sharding": sharding})
              for sharding in args.sharding for gpus in args.gpus]
-    return run_all(args, "distill", "paper-2b", plans, lambda folder, log: distill_rate(folder))
+    return "distill", "paper-2b", plans, lambda folder, log: distill_rate(folder)
 
 
 def distill_table(results: list[dict]) -> str:
@@ -119,7 +139,7 @@ def distill_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bench_same_steps(args) -> list[dict]:
+def bench_same_steps(args):
     """The same 10 deterministic steps on each GPU count."""
     from pipeline.checkpoints import is_done
 
@@ -131,7 +151,7 @@ def bench_same_steps(args) -> list[dict]:
     plans = [(f"same-steps-{gpus}gpu", gpus, ["distill.max_steps=10", "distill.logging_steps=1",
                                               "distill.save_steps=100", "deterministic=true"], {})
              for gpus in args.gpus]
-    return run_all(args, "distill", "gpu-100m", plans, measure)
+    return "distill", "gpu-100m", plans, measure
 
 
 def same_steps_table(results: list[dict]) -> str:
@@ -174,7 +194,7 @@ def batch_split(run_dir: Path) -> dict:
             "generated_per_s": generated / wall}
 
 
-def bench_grpo(args) -> list[dict]:
+def bench_grpo(args):
     plans = []
     modes = [(s, False) for s in args.staleness] + [(1, True)] * args.partial  # (staleness, partial rollouts)
     for staleness, partial in modes:
@@ -185,12 +205,13 @@ def bench_grpo(args) -> list[dict]:
                 name = f"grpo-{args.preset}-{placement}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "") + \
                     ("-partial" if partial else "")
                 overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
-                             f"grpo.max_completion_length={args.new_tokens}", f"grpo.placement={placement}",
+                             f"grpo.max_completion_length={args.new_tokens}",
+                             f"grpo.rewards.overlong_cache={args.new_tokens // 8}", f"grpo.placement={placement}",
                              f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
                              "grpo.save_steps=100"]
                 plans.append((name, gpus, overrides,
                               {"placement": placement, "staleness": f"{staleness}{' partial' if partial else ''}"}))
-    return run_all(args, "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder))
+    return "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder)
 
 
 def grpo_table(results: list[dict]) -> str:
@@ -210,43 +231,47 @@ def grpo_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bench_eval(args) -> list[dict]:
+def shard_rates(log_text: str) -> dict:
+    """The generation of an evaluation from its workers' lines (``eval: shard k of n: T tokens generated in S s``):
+    every shard's tokens over the slowest shard's seconds (the workers generate at once), model loading and
+    engine start left out."""
     import re
 
-    from common.files import read_text
+    shards = {}
+    for k, n, tokens, seconds in re.findall(r"eval: shard (\d+) of (\d+): (\d+) tokens generated in ([\d.]+) s",
+                                            log_text):
+        shards[int(k)] = (int(n), int(tokens), float(seconds))
+    if not shards or len(shards) != next(iter(shards.values()))[0]:
+        return {}
+    generated = sum(t for _, t, _ in shards.values())
+    seconds = max(s for _, _, s in shards.values())
+    return {"generate_s": seconds, "shard_s": sorted(s for _, _, s in shards.values()), "generated": generated,
+            "generated_per_s": generated / seconds}
 
-    def measure(folder: Path, log: Path) -> dict:
-        found = re.search(r"generations in (\d+) s", log.read_text(errors="replace"))
-        summaries = list((folder / "eval").rglob("summary.json"))
-        if not (found and summaries):
-            return {}
-        benchmarks = json.loads(read_text(summaries[0]))["benchmarks"]
-        generated = sum(b["problems"] * b["repeats"] * b["mean_length"] for b in benchmarks.values())
-        seconds = float(found.group(1))
-        return {"generate_s": seconds, "generated": generated, "generated_per_s": generated / seconds}
 
+def bench_eval(args):
     plans = [(f"eval-{args.preset}-{gpus}gpu", gpus,
               [*DRY_RUN, f"model.preset={args.preset}", f"eval.limit={args.eval_limit}",
                f"eval.repeats={args.eval_repeats}", f"eval.max_new_tokens={args.new_tokens}"], {})
              for gpus in args.gpus]
-    return run_all(args, "eval", "paper-2b", plans, measure)
+    return "eval", "paper-2b", plans, lambda folder, log: shard_rates(log.read_text(errors="replace"))
 
 
 def eval_table(results: list[dict]) -> str:
     base = next((r["generated_per_s"] for r in results if r.get("generated_per_s")), None)
-    lines = ["| run | GPUs | generation s | generated tokens | tok/s | x first row | stage s | peak GiB |",
-             "| --- " * 8 + "|"]
+    lines = ["| run | GPUs | generation s (slowest shard) | fastest shard s | generated tokens | tok/s | x first row | "
+             "stage s | peak GiB |", "| --- " * 9 + "|"]
     for r in results:
         if r.get("generated_per_s"):
-            lines.append(f"| {r['name']} | {r['gpus']} | {r['generate_s']:.0f} | {r['generated']:,.0f} | "
-                         f"{r['generated_per_s']:,.0f} | {r['generated_per_s'] / base:.2f} | {r['seconds']:.0f} | "
-                         f"{r['peak_gib'] or 0:.1f} |")
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['generate_s']:.0f} | {r['shard_s'][0]:.0f} | "
+                         f"{r['generated']:,.0f} | {r['generated_per_s']:,.0f} | {r['generated_per_s'] / base:.2f} | "
+                         f"{r['seconds']:.0f} | {r['peak_gib'] or 0:.1f} |")
         else:
-            lines.append(f"| {r['name']} | {r['gpus']} | failed (exit {r['exit']}): {r['error'][:160]} |" + " |" * 5)
+            lines.append(f"| {r['name']} | {r['gpus']} | failed (exit {r['exit']}): {r['error'][:160]} |" + " |" * 6)
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("distill", "same-steps", "grpo", "eval"))
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
@@ -259,18 +284,22 @@ def main() -> None:
     parser.add_argument("--partial", action="store_true",
                         help="grpo: also generating ahead with partial rollouts (weights into running sequences)")
     parser.add_argument("--new-tokens", type=int, default=4096, help="grpo, eval: tokens a completion may take")
-    parser.add_argument("--eval-limit", type=int, default=8, help="eval: AIME24 problems")
-    parser.add_argument("--eval-repeats", type=int, default=8, help="eval: samples a problem")
+    parser.add_argument("--eval-limit", type=int, default=30, help="eval: AIME24 problems (30: all of them)")
+    parser.add_argument("--eval-repeats", type=int, default=32, help="eval: samples a problem (32: avg@32)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     parser.add_argument("--out", default="runs/multi-gpu")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides of every run")
-    args = parser.parse_intermixed_args()
+    return parser.parse_intermixed_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     bench, table_of = {"distill": (bench_distill, distill_table), "same-steps": (bench_same_steps, same_steps_table),
                        "grpo": (bench_grpo, grpo_table), "eval": (bench_eval, eval_table)}[args.what]
-    table = table_of(bench(args))
+    table = table_of(run_all(args, *bench(args)))
     text = f"{args.what} on {device} ({' '.join(sys.argv[1:])})\n\n{table}\n"
     print(text)
     (Path(args.out) / f"{args.what}.md").write_text(text)

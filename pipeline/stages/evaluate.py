@@ -77,9 +77,13 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     ready = time.perf_counter() - loaded
     print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {ready:.1f} s",
           flush=True)
-    generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend, cfg.limit,
-             instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
-             max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
+    began = time.perf_counter()
+    tokens = generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend,
+                      cfg.limit, instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
+                      max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
+    seconds = time.perf_counter() - began
+    print(f"eval: shard {shard[0] + 1} of {shard[1]}: {tokens} tokens generated in {seconds:.1f} s "
+          f"({tokens / max(seconds, 1e-9):.0f} tok/s)", flush=True)
     if store is not None:
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
 

@@ -1,0 +1,41 @@
+"""The multi-GPU bench's plans (``benchmarks/pipeline/multi_gpu.py``): every run it would start resolves as a recipe
+and a placement before the first one takes a GPU, and the evaluation's rate is read from its workers' own lines."""
+
+import pytest
+
+from benchmarks.pipeline.multi_gpu import (bench_distill, bench_eval, bench_grpo, bench_same_steps, check_plans,
+                                           parse_args, shard_rates)
+
+
+@pytest.mark.parametrize("argv", [
+    ["distill", "--gpus", "1", "2", "4", "--sharding", "ddp", "fsdp"],
+    ["same-steps", "--gpus", "1", "2"],
+    ["grpo", "--gpus", "1", "2", "4", "--staleness", "0", "1", "--partial"],
+    ["grpo", "--gpus", "2", "--staleness", "0", "1", "--new-tokens", "2048"],  # under the recipe's overlong window
+    ["grpo", "--gpus", "2", "--new-tokens", "1024", "--placement", "split"],
+    ["eval", "--gpus", "1", "2", "4"],
+])
+def test_every_planned_run_resolves_before_any_starts(argv, tmp_path):
+    args = parse_args([*argv, "--out", str(tmp_path)])
+    bench = {"distill": lambda a: bench_distill(a, write_data=False), "same-steps": bench_same_steps,
+             "grpo": bench_grpo, "eval": bench_eval}[args.what]
+    stage, recipe, plans, _ = bench(args)
+    assert plans
+    check_plans(args, stage, recipe, plans)
+
+
+def test_a_run_that_cannot_resolve_stops_the_bench_naming_it(tmp_path):
+    args = parse_args(["grpo", "--gpus", "2", "--placement", "split", "--out", str(tmp_path),
+                       "grpo.prompts_per_batch=3"])  # 3 x 8 rollouts do not divide into 4 mini-batches
+    stage, recipe, plans, _ = bench_grpo(args)
+    with pytest.raises(SystemExit, match="grpo-sse-h-2b-split-2gpu: .*grpo"):
+        check_plans(args, stage, recipe, plans)
+
+
+def test_the_evaluation_rate_is_every_shards_tokens_over_the_slowest_shard():
+    log = ("(generate_shard pid=1) eval: shard 2 of 2: 3000 tokens generated in 30.0 s (100 tok/s)\n"
+           "noise\n(generate_shard pid=2) eval: shard 1 of 2: 1000 tokens generated in 10.0 s (100 tok/s)\n")
+    rates = shard_rates(log)
+    assert rates["generated"] == 4000 and rates["generate_s"] == 30.0 and rates["generated_per_s"] == 4000 / 30
+    assert rates["shard_s"] == [10.0, 30.0]
+    assert shard_rates(log.splitlines()[0]) == {}  # a shard missing: no rate rather than half of one
