@@ -33,6 +33,7 @@ import subprocess
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # OpenR1-Math trace lengths: a published 45k-sample of OpenR1-Math-220k (SFT-Math-45k's card) gives the assistant
@@ -148,28 +149,67 @@ def measured_rates(out: Path) -> dict:
     return found
 
 
-def projection(rates: dict, recipe, gpus: int, trace_tokens: float, generated_tokens: float) -> dict:
-    """Hours of each stage of the full recipe on ``gpus`` GPUs from the measured rates (see the report's
-    assumptions): distillation data-parallel over every GPU; GRPO's generation batches with the best split of
-    the GPUs into engines and trainers (all colocated on one GPU); evaluation's samples over every GPU at the
-    engine's measured rate."""
+@dataclass
+class Scaling:
+    """How the one-GPU rates grow with GPUs: each field a measurement or the hardware's limit (the report says
+    which), so that the projection divides nothing linearly that was not measured to scale so."""
+
+    # data-parallel training's speedup over one GPU by GPU count, gradient all-reduce included (measured:
+    # docs/multi_gpu.md, DDP at the paper's shape on 4 H200); a larger count keeps the largest one's efficiency
+    data_parallel: dict = field(default_factory=lambda: {1: 1.0, 2: 1.99, 4: 3.86})
+    # one decode step's read of the engine's weights (the part of a step that does not grow with the sequences in
+    # flight): the 2B's 3.73 GB at an H100's 3.35 TB/s
+    weights_read_s: float = 3.73e9 / 3.35e12
+    # the most sequences one engine holds at the projected lengths: the dry run's 64 rollouts of up to 32k tokens
+    # fit one H100 beside the trainer (measured); more is not
+    max_in_flight: int = 64
+    # sampling rounds a generation batch takes (dynamic sampling resamples groups whose rewards all agree)
+    sampling_rounds: float = 1.0
+
+    def speedup(self, gpus: int) -> float:
+        if gpus in self.data_parallel:
+            return self.data_parallel[gpus]
+        largest = max(self.data_parallel)
+        return gpus * self.data_parallel[largest] / largest
+
+    def engine_rate(self, measured_per_s: float, measured_in_flight: int, in_flight: float) -> float:
+        """One engine's generated tokens/s with ``in_flight`` sequences, from its rate measured at
+        ``measured_in_flight``: a decode step costs the weights' read plus a part per sequence (its cache and
+        state), so fewer sequences an engine make fewer tokens a step, not proportionally less time."""
+        step = measured_in_flight / measured_per_s
+        per_sequence = max(step - self.weights_read_s, 0.0) / measured_in_flight
+        n = min(in_flight, self.max_in_flight)
+        return n / (self.weights_read_s + per_sequence * n)
+
+
+def projection(rates: dict, recipe, gpus: int, trace_tokens: float, generated_tokens: float,
+               scaling: Scaling | None = None) -> dict:
+    """Hours of each stage of the full recipe on ``gpus`` GPUs from the measured rates and ``scaling`` (see the
+    report's assumptions): distillation data-parallel over every GPU; GRPO's generation batches in the best layout
+    (colocated on every GPU, or a split of the GPUs into engines and trainers), each engine at its rate for the
+    sequences it holds; evaluation's samples over every GPU's engine."""
+    scaling = scaling or Scaling()
     d, g = rates["distill"], rates["grpo"]
     samples = recipe.distill.data.max_samples
-    distill_h = samples * recipe.distill.epochs * trace_tokens / (d["tokens_per_s"] * gpus) / 3600
+    distill_h = samples * recipe.distill.epochs * trace_tokens / (d["tokens_per_s"] * scaling.speedup(gpus)) / 3600
     cfg = recipe.grpo
-    rollouts = cfg.prompts_per_batch * cfg.num_generations
-    generate_s = rollouts * generated_tokens / g["generated_per_s"]
-    train_s = rollouts * (g["mean_prompt"] + generated_tokens) / g["trained_per_s"] * cfg.num_iterations
+    rollouts = cfg.prompts_per_batch * cfg.num_generations * scaling.sampling_rounds
+
+    def generate_s(engines: int, samples: float) -> float:  # each engine its share, at its rate for that share
+        share = samples / engines
+        return share * generated_tokens / scaling.engine_rate(g["generated_per_s"], g["rollouts"], share)
+
+    train_s = rollouts / scaling.sampling_rounds * (g["mean_prompt"] + generated_tokens) / g["trained_per_s"] * \
+        cfg.num_iterations  # (only the last round's groups are trained on)
     fixed_s = g["weight_sync_s"] + g["reward_s"] * rollouts / g["rollouts"]  # weight sync: per generation batch
-    if gpus == 1:
-        split, batch_s = (1, 1), generate_s + train_s + fixed_s
-    else:
-        split, batch_s = min((((e, gpus - e), generate_s / e + train_s / (gpus - e) + fixed_s)
-                              for e in range(1, gpus)), key=lambda x: x[1])
-    generation_batches = math.ceil(cfg.steps / cfg.mini_batches)
+    # colocated (an engine and a trainer worker on every GPU, taking turns), or split into engines and trainers
+    layouts = [("colocated", generate_s(gpus, rollouts) + train_s / scaling.speedup(gpus) + fixed_s)]
+    layouts += [((e, gpus - e), generate_s(e, rollouts) + train_s / scaling.speedup(gpus - e) + fixed_s)
+                for e in range(1, gpus)]
+    split, batch_s = min(layouts, key=lambda x: x[1])
+    generation_batches = math.ceil(cfg.steps / (cfg.mini_batches * cfg.num_iterations))
     grpo_h = generation_batches * batch_s / 3600
-    eval_samples = eval_problems(recipe) * recipe.eval.repeats
-    eval_h = eval_samples * generated_tokens / (g["generated_per_s"] * gpus) / 3600
+    eval_h = generate_s(gpus, eval_problems(recipe) * recipe.eval.repeats) / 3600
     return {"gpus": gpus, "distill_h": distill_h, "grpo_h": grpo_h, "grpo_split": split, "grpo_batch_s": batch_s,
             "eval_h": eval_h, "total_h": distill_h + grpo_h + eval_h}
 
@@ -189,24 +229,54 @@ def report(stages: dict, rates: dict, records: dict, projections: list[dict], ar
     lines += ["", "Measured rates:", "", "```", json.dumps(rates, indent=1), "```", ""]
     if projections:
         lines += [f"Projection of the full recipe ({recipe.distill.data.max_samples:,} samples x "
-                  f"{recipe.distill.epochs:g} epochs, {math.ceil(recipe.grpo.steps / recipe.grpo.mini_batches)} "
+                  f"{recipe.distill.epochs:g} epochs, "
+                  f"{math.ceil(recipe.grpo.steps / (recipe.grpo.mini_batches * recipe.grpo.num_iterations))} "
                   f"generation batches of {recipe.grpo.prompts_per_batch} x {recipe.grpo.num_generations}, "
                   f"{eval_problems(recipe):,} problems x "
                   f"{recipe.eval.repeats}), hours:", "",
                   "| generated tokens per sample | GPUs | distill | GRPO (engines + trainers) | eval | total |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for p in projections:
-            split = "colocated" if p["gpus"] == 1 else f"{p['grpo_split'][0]} + {p['grpo_split'][1]}"
+            split = p["grpo_split"] if isinstance(p["grpo_split"], str) else "{} + {}".format(*p["grpo_split"])
             lines.append(f"| {p['generated_tokens']:,} | {p['gpus']} | {p['distill_h']:.1f} | {p['grpo_h']:.1f} "
                          f"({split}) | {p['eval_h']:.1f} | {p['total_h']:.1f} |")
-        lines += ["", "Assumptions: distillation traces of the mean length above "
-                  f"({args.trace_tokens:,.0f} tokens); distillation and evaluation scale linearly with GPUs (no "
-                  "communication cost counted); GRPO at the dry run's engine and trainer rates (64 rollouts at "
-                  "their lengths), one sampling round per generation batch (dynamic sampling can take up to "
-                  f"{recipe.grpo.max_sampling_rounds}), rollout and training not overlapped; evaluation at GRPO's "
-                  "engine rate; rows of 32,768 generated tokens are what random weights produce (the worst case).",
-                  ""]
+        scaling = args.scaling
+        measured = ", ".join(f"{k}: {v:.2f}x" for k, v in sorted(scaling.data_parallel.items()))
+        lines += ["", f"Assumptions: distillation traces of the mean length above ({args.trace_tokens:,.0f} tokens); "
+                  f"data-parallel training (distillation, GRPO's trainers) at the measured speedups ({measured}; "
+                  "gradient all-reduce included; a larger count keeps the largest's efficiency, one node's, not "
+                  "measured across nodes); GRPO at the dry run's engine and trainer rates, each engine at its rate "
+                  f"for the sequences it holds (a step: the weights' read, {scaling.weights_read_s * 1e3:.2f} ms at "
+                  "the card's bandwidth, plus a measured part per sequence; at most "
+                  f"{scaling.max_in_flight} at once), {scaling.sampling_rounds:g} sampling round(s) per generation "
+                  f"batch (dynamic sampling can take up to {recipe.grpo.max_sampling_rounds}), rollout and training "
+                  "not overlapped; evaluation on every GPU's engine at the same rates; rows of 32,768 generated "
+                  "tokens are what random weights produce (the worst case).", ""]
     return "\n".join(lines)
+
+
+def projections(rates: dict, full, args) -> list[dict]:
+    """The projection for every ``--generated-tokens`` and ``--gpus``, once both stages' rates are measured."""
+    if "distill" not in rates or "grpo" not in rates:
+        return []
+    return [{**projection(rates, full, gpus, args.trace_tokens, generated, args.scaling), "generated_tokens": generated}
+            for generated in args.generated_tokens for gpus in args.gpus]
+
+
+def project_kept(args, full, out: Path) -> None:
+    """The report of kept dry runs (each stage may come from another run: their rates are merged), re-projected
+    under this command's assumptions, without a GPU."""
+    from common.files import read_text
+
+    kept = [json.loads(read_text(Path(f))) for f in args.rates]
+    rates = {k: v for run in kept for k, v in run["rates"].items()}
+    stages = {"stages": {k: v for run in kept for k, v in run["stages"]["stages"].items() if k in rates},
+              "device": " / ".join(dict.fromkeys(run["stages"].get("device", "CPU") for run in kept))}
+    records = kept[0]["records"]
+    args.trace_tokens = args.trace_tokens or records["mean"]
+    text = report(stages, rates, records, projections(rates, full, args), args, full)
+    (out / "projection.md").write_text(text)
+    print(text)
 
 
 def main(argv=None) -> None:
@@ -222,13 +292,24 @@ def main(argv=None) -> None:
                         help="mean distillation sample in tokens (default: the records' mean)")
     parser.add_argument("--generated-tokens", type=int, nargs="+", default=[8192, 32768],
                         help="mean tokens per rollout / evaluation sample, projected")
+    parser.add_argument("--rates", nargs="+", default=None, metavar="DRY_RUN_JSON",
+                        help="project from the rates of kept dry runs (their dry_run.json) instead of running")
+    parser.add_argument("--data-parallel", nargs="+", default=None, metavar="GPUS:SPEEDUP",
+                        help="measured data-parallel speedups over one GPU (default: docs/multi_gpu.md's 4 H200)")
+    parser.add_argument("--sampling-rounds", type=float, default=1.0, help="mean sampling rounds a generation batch")
     args = parser.parse_args(argv)
     from pipeline.recipe import load_recipe
-    from pipeline.run import run_recipe
 
+    args.scaling = Scaling(sampling_rounds=args.sampling_rounds)
+    if args.data_parallel:
+        args.scaling.data_parallel = {int(k): float(v) for k, v in (x.split(":") for x in args.data_parallel)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     full = load_recipe(args.recipe)  # the counts projected
+    if args.rates:
+        return project_kept(args, full, out)
+    from pipeline.run import run_recipe
+
     data = out / "long_records.jsonl"
     recipe = load_recipe(args.recipe, DRY_RUN + [f"distill.data.source={data}", f"output_dir={out / 'run'}"]
                          + args.overrides)
@@ -260,16 +341,10 @@ def main(argv=None) -> None:
             stages["stages"][stage]["error"] = error
         print(f"{stage}: {stages['stages'][stage]}", flush=True)
     rates = measured_rates(Path(recipe.output_dir))
-    projections = []
-    if "distill" in rates and "grpo" in rates:
-        for generated in args.generated_tokens:
-            for gpus in args.gpus:
-                p = projection(rates, full, gpus, args.trace_tokens, generated)
-                projections.append({**p, "generated_tokens": generated})
-    text = report(stages, rates, records, projections, args, full)
+    text = report(stages, rates, records, projections(rates, full, args), args, full)
     (out / "dry_run.md").write_text(text)
     (out / "dry_run.json").write_text(json.dumps({"stages": stages, "rates": rates, "records": records,
-                                                  "projections": projections}, indent=1))
+                                                  "projections": projections(rates, full, args)}, indent=1))
     print(text)
 
 

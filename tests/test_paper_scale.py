@@ -191,24 +191,60 @@ def test_measured_rates_agree_with_a_real_runs_report():
 
 
 def test_projection_scales_each_stage_as_its_assumptions_say():
-    from scripts.paper_dry_run import projection
     from pipeline.recipe import load_recipe
+    from scripts.paper_dry_run import Scaling, projection
 
     full = load_recipe("paper-2b")
     rates = {"distill": {"tokens_per_s": 10000.0},
              "grpo": {"rollouts": 64, "mean_prompt": 200.0, "generated_per_s": 5000.0, "trained_per_s": 20000.0,
                       "weight_sync_s": 10.0, "reward_s": 4.0}}
-    one, eight = (projection(rates, full, gpus, 4000, 8192) for gpus in (1, 8))
+    scaling = Scaling(data_parallel={1: 1.0, 2: 1.9, 4: 3.6})
+    one, eight = (projection(rates, full, gpus, 4000, 8192, scaling) for gpus in (1, 8))
     assert one["distill_h"] == pytest.approx(80000 * 5 * 4000 / 10000 / 3600)
-    assert eight["distill_h"] == pytest.approx(one["distill_h"] / 8)
-    rollouts = 32 * 8
+    assert eight["distill_h"] == pytest.approx(one["distill_h"] / (8 * 3.6 / 4))  # the largest measured efficiency
+    rollouts = 32 * 8  # more than the 64 an engine holds: one engine runs at its measured rate
     generate, train, fixed = rollouts * 8192 / 5000, rollouts * (200 + 8192) / 20000, 10 + 4 * rollouts / 64
     assert one["grpo_batch_s"] == pytest.approx(generate + train + fixed)
     assert one["grpo_h"] == pytest.approx(230 * one["grpo_batch_s"] / 3600)
-    engines, trainers = eight["grpo_split"]
-    assert engines + trainers == 8
-    assert eight["grpo_batch_s"] == pytest.approx(min(generate / e + train / (8 - e) + fixed for e in range(1, 8)))
-    assert eight["eval_h"] == pytest.approx(1275 * 32 * 8192 / (5000 * 8) / 3600)
+
+    def engines_s(e):  # each engine's share at its rate for that share (fewer sequences: fewer tokens a step)
+        return rollouts / e * 8192 / scaling.engine_rate(5000.0, 64, rollouts / e)
+
+    layouts = [generate_s + t for generate_s, t in
+               [(engines_s(8), train / (8 * 3.6 / 4))] + [(engines_s(e), train / scaling.speedup(8 - e))
+                                                         for e in range(1, 8)]]
+    assert eight["grpo_batch_s"] == pytest.approx(min(layouts) + fixed)
+    assert eight["eval_h"] == pytest.approx(1275 * 32 * 8192 / (5000 * 8) / 3600)  # every engine full
+
+
+def test_an_engine_with_fewer_sequences_makes_fewer_tokens_a_second_not_proportionally_fewer():
+    """A decode step reads the weights once whatever the sequences (the step's fixed part) and each sequence's
+    cache; the rate measured at 64 sequences is met there, halved sequences keep more than half the rate, and no
+    engine goes past the sequences it holds."""
+    from scripts.paper_dry_run import Scaling
+
+    scaling = Scaling(weights_read_s=2e-3, max_in_flight=64)
+    measured = 64 / 10e-3  # 10 ms a step at 64
+    assert scaling.engine_rate(measured, 64, 64) == pytest.approx(measured)
+    assert measured / 2 < scaling.engine_rate(measured, 64, 32) < measured
+    assert scaling.engine_rate(measured, 64, 32) == pytest.approx(32 / (2e-3 + 32 * 8e-3 / 64))
+    assert scaling.engine_rate(measured, 64, 500) == pytest.approx(measured)  # waves of 64
+    assert Scaling(data_parallel={1: 1.0, 4: 3.8}).speedup(8) == pytest.approx(7.6)
+
+
+def test_a_kept_dry_run_is_projected_again_without_a_gpu(tmp_path, capsys):
+    """``--rates``: the kept paper-2b dry run (docs/runs/paper-2b-dry-run), its stages from two runs, projected
+    under this command's assumptions (the doc's table comes from it)."""
+    from pathlib import Path
+
+    from scripts import paper_dry_run
+
+    kept = Path(__file__).resolve().parents[1] / "docs" / "runs" / "paper-2b-dry-run"
+    paper_dry_run.main(["--rates", str(kept / "distill_eval.json"), str(kept / "grpo.json"), "--gpus", "1", "8",
+                        "--generated-tokens", "32768", "--sampling-rounds", "2", "--out", str(tmp_path)])
+    text = (tmp_path / "projection.md").read_text()
+    assert "| 32,768 | 1 | 17.5 |" in text and "2 sampling round(s)" in text
+    assert "NVIDIA H100 80GB HBM3" in text and "| grpo | 661 |" in text
 
 
 def test_every_packaged_problem_with_an_answer_field_has_an_answer():
