@@ -125,8 +125,9 @@ def _wait_for_step(run: subprocess.Popen, metrics: Path, step: int, timeout_s: f
 
 def test_a_killed_trainer_worker_stops_distillation_at_once_and_a_rerun_resumes(tmp_path):
     """A data-parallel worker SIGKILLed mid-run on 2 GPUs: its peer waits in an NCCL collective, yet the stage ends
-    within a minute (not the process group's 10-minute timeout) naming the command that resumes it; that command
-    resumes from the last complete checkpoint and finishes."""
+    within a minute (not the process group's 10-minute timeout) naming the command that resumes it; that command,
+    given one GPU, resumes from the last complete checkpoint (the same batch, twice the accumulation) and
+    finishes."""
     overrides = [f"output_dir={tmp_path / 'run'}", *SMALL, "distill.max_steps=60", "distill.save_steps=4",
                  "distill.logging_steps=1", "eval.enabled=false"]
     metrics = tmp_path / "run" / "distill" / "metrics.jsonl"
@@ -139,10 +140,12 @@ def test_a_killed_trainer_worker_stops_distillation_at_once_and_a_rerun_resumes(
         run.wait(timeout=120)
     finally:
         run.kill()
+    stopped_s = time.time() - killed
+    print(f"distillation stopped {stopped_s:.1f} s after its worker was killed")
     log = (tmp_path / "first.log").read_text(errors="replace")
-    assert run.returncode != 0 and time.time() - killed < 90, log[-3000:]
+    assert run.returncode != 0 and stopped_s < 60, log[-3000:]
     assert "a data-parallel training worker failed" in log and "again to resume" in log, log[-3000:]
-    again = _start("distill", overrides, tmp_path / "second.log")
+    again = _start("distill", [*overrides, "ray.num_gpus=1"], tmp_path / "second.log")
     assert again.wait(timeout=600) == 0, (tmp_path / "second.log").read_text(errors="replace")[-3000:]
     assert "distill: resuming from" in (tmp_path / "second.log").read_text(errors="replace")
     steps = [r["step"] for r in read_metrics(metrics) if "loss" in r]
