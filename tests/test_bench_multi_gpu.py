@@ -39,3 +39,21 @@ def test_the_evaluation_rate_is_every_shards_tokens_over_the_slowest_shard():
     assert rates["generated"] == 4000 and rates["generate_s"] == 30.0 and rates["generated_per_s"] == 4000 / 30
     assert rates["shard_s"] == [10.0, 30.0]
     assert shard_rates(log.splitlines()[0]) == {}  # a shard missing: no rate rather than half of one
+
+
+def test_a_run_past_its_limit_is_stopped_as_ctrl_c_stops_it(tmp_path):
+    """SIGTERM first (the CLI then shuts its Ray down and the GPUs are free for the next run), a kill only if the
+    run does not stop."""
+    import sys
+
+    from benchmarks.pipeline.multi_gpu import run_process
+
+    stopped = tmp_path / "stopped"
+    polite = ("import signal, sys, time\n"
+              f"signal.signal(signal.SIGTERM, lambda *_: (open({str(stopped)!r}, 'w').close(), sys.exit(130)))\n"
+              "print('running', flush=True)\ntime.sleep(60)\n")
+    assert run_process([sys.executable, "-c", polite], tmp_path / "a.log", timeout_s=3) == "timeout"
+    assert stopped.exists() and "running" in (tmp_path / "a.log").read_text()
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    assert run_process([sys.executable, "-c", stubborn], tmp_path / "b.log", timeout_s=2, stop_s=1) == "timeout"
+    assert run_process([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "c.log", timeout_s=30) == 3

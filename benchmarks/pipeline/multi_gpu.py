@@ -50,17 +50,31 @@ from scripts.paper_dry_run import DRY_RUN, MemoryPoll, write_long_records
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def run_process(command: list[str], log: Path, timeout_s: float, stop_s: float = 60) -> int | str:
+    """``command``'s exit status, its output in ``log``; ``"timeout"`` past ``timeout_s``, after it was stopped as
+    Ctrl-C stops a run (SIGTERM: the CLI shuts its Ray down, so the next run finds the GPUs free) or, if that
+    takes more than ``stop_s``, killed (Ray's reaper then ends its cluster)."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **SAFE_ENV})
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(timeout=stop_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            return "timeout"
+
+
 def run_stage(stage: str, recipe: str, overrides: list[str], gpus: int, log: Path, timeout_s: float) -> dict:
     """``sse-pipeline <stage> <recipe> <overrides> --gpus <gpus>`` in a process of its own; its wall-clock, exit
     status, the last line of its error output and the peak GPU memory in use while it ran."""
     command = [sys.executable, "-m", "pipeline.cli", stage, recipe, *overrides, "--gpus", str(gpus)]
     start = time.time()
-    with MemoryPoll() as memory, log.open("w") as out:
-        try:
-            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env={**os.environ, **SAFE_ENV}).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+    with MemoryPoll() as memory:
+        code = run_process(command, log, timeout_s)
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     error = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
     return {"seconds": time.time() - start, "exit": code, "error": error if code != 0 else "",
