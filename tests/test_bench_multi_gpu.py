@@ -57,3 +57,25 @@ def test_a_run_past_its_limit_is_stopped_as_ctrl_c_stops_it(tmp_path):
     stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
     assert run_process([sys.executable, "-c", stubborn], tmp_path / "b.log", timeout_s=2, stop_s=1) == "timeout"
     assert run_process([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "c.log", timeout_s=30) == 3
+
+
+def test_runs_that_start_alike_share_one_starting_model_built_as_each_would_build_it(tmp_path):
+    """The bench builds a preset's random weights once for every run with the same model settings and seed (a run
+    would build and save its own first: half a minute at 2B); each run then loads that model, the very weights
+    its own build would have made."""
+    import torch
+
+    from benchmarks.pipeline.multi_gpu import shared_starts
+    from pipeline.recipe import load_recipe
+    from pipeline.stages.base import initial_checkpoint
+    from sse_model.checkpoint import load_pretrained
+
+    runs = [load_recipe("demo", [f"output_dir={tmp_path / name}", *more]) for name, more in
+            [("a", ["distill.learning_rate=1e-3"]), ("b", ["ray.num_gpus=2"]), ("c", ["seed=1"])]]
+    starts = shared_starts(tmp_path / "bench", runs)
+    assert starts[0] == starts[1] != starts[2] and len(list((tmp_path / "bench").glob("start-*"))) == 2
+    for recipe, start in zip(runs, starts):
+        shared = load_recipe("demo", [f"output_dir={recipe.output_dir}", f"seed={recipe.seed}", *start])
+        own = load_pretrained(initial_checkpoint(recipe, tmp_path / f"own-{recipe.seed}")).state_dict()
+        loaded = load_pretrained(shared.model.path).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in own.items())
