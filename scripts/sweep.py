@@ -3,19 +3,23 @@
     python -m scripts.sweep smollm2-135m --out runs/sweep --shared align \\
         --set grpo.enabled=false "eval.benchmarks=[gsm8k,word_problems]" \\
         --variant recipe --variant kl09 distill.teacher_kl=0.9 --variant lr3e-4 distill.learning_rate=3e-4
+    python -m scripts.sweep smollm2-135m --out runs/arms --gpus 0,1,2,3 --variant sse-h-seed0 seed=0 \\
+        --variant sse-h-seed1 seed=1 --variant transformer-seed0 smollm2-135m-transformer seed=0 \\
+        --variant transformer-seed1 smollm2-135m-transformer seed=1
 
 ``--shared align`` runs the recipe's align stage once (its other stages off) into ``OUT/shared``; every variant then
 runs the rest of the recipe from that model (``--checkpoint``, its align stage off), each with its own overrides
 after the common ``--set`` ones, scoring its last model (``eval.models=[last]``, or the models ``--set`` names).
 ``--shared distill`` shares align and distillation (variants of GRPO), ``--shared grpo`` every training stage
-(variants of the evaluation). Without ``--shared`` each variant runs the whole recipe. The variants run side by side
+(variants of the evaluation). Without ``--shared`` each variant runs the whole recipe, or another recipe named after
+its name (the second example: both arms, two seeds each, a GPU each). The variants run side by side
 (``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the
 sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer than one
 (``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
 the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that a variant alone on its GPU
 times what the recipe alone would. Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
-``OUT/sweep.json`` hold, per variant, its overrides, wall time, the last logged distillation metrics, GRPO's reward
+``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics, GRPO's reward
 and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
 boxed answers and their accuracy alone. Variants that stopped (out of GPU memory with too many side by side, or the
 machine gone) run again by the same command with a lower ``--parallel``: every finished stage of every variant is
@@ -53,18 +57,30 @@ SHAREABLE = ("align", "distill", "grpo")  # the training stages in order: a shar
 class Variant:
     name: str
     overrides: list[str] = field(default_factory=list)
+    recipe: str | None = None  # another recipe than the sweep's (another arm: the Transformer beside SSE-H)
 
 
 def parse_variant(values: list[str]) -> Variant:
-    """``NAME [KEY=VALUE ...]`` from the command line; a name is a folder name, an override has an ``=``."""
+    """``NAME [RECIPE] [KEY=VALUE ...]`` from the command line; a name is a folder name, an override has an ``=``,
+    and a second word without one names the variant's own recipe."""
+    from pipeline.recipe import RecipeError, resolve_recipe_path
+
     name, *overrides = values
     if "=" in name or "/" in name or name in ("shared", ""):
         raise ValueError(f"--variant {' '.join(values)}: the first word names the variant (a folder under --out, "
-                         f"not 'shared'), then its overrides KEY=VALUE")
+                         f"not 'shared'), then its recipe if not the sweep's, then its overrides KEY=VALUE")
+    recipe = None
+    if overrides and "=" not in overrides[0]:
+        try:
+            resolve_recipe_path(overrides[0])
+            recipe, overrides = overrides[0], overrides[1:]
+        except RecipeError as error:
+            raise ValueError(f"--variant {name}: {overrides[0]!r} is no override (KEY=VALUE), and no recipe: "
+                             f"{error}") from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"--variant {name}: {bad[0]!r} is no override (KEY=VALUE)")
-    return Variant(name, overrides)
+    return Variant(name, overrides, recipe)
 
 
 def shared_overrides(shared: str) -> tuple[list[str], list[str]]:
@@ -91,8 +107,8 @@ def commands(recipe: str, out: Path, common: list[str], variants: list[Variant],
     if shared is not None:
         first = [*run, f"output_dir={out / 'shared'}", *common, *shared_overrides(shared)[0]]
         start = ["--checkpoint", str(out / "shared" / shared / "final")]
-    return first, {v.name: [*run, f"output_dir={out / v.name}", *variant_overrides(common, v, shared), *start]
-                   for v in variants}
+    return first, {v.name: [*run[:-1], v.recipe or recipe, f"output_dir={out / v.name}",
+                            *variant_overrides(common, v, shared), *start] for v in variants}
 
 
 def least_busy(gpus: list[str], running: list[str]) -> str:
@@ -173,7 +189,8 @@ def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], 
     for v in variants:
         r = rows[v.name]
         d, g = r.get("distill", {}), r.get("grpo", {})
-        cells = [v.name, " ".join(f"`{o}`" for o in v.overrides) or "(the recipe's)",
+        cells = [v.name, " ".join(f"`{o}`" for o in ([v.recipe] if v.recipe else []) + v.overrides)
+                 or "(the recipe's)",
                  f"{r['wall_s']:.0f}" + (f" (GPU {r['gpu']})" if "gpu" in r else "")
                  + ("" if r["returncode"] == 0 else f" (failed, {r['returncode']})")]
         cells += [f"{d[k]:.3f}" if k in d else "" for k in DISTILL_KEYS]
@@ -206,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="common", nargs="+", default=[], metavar="KEY=VALUE",
                         help="overrides of every run, the shared one included")
     parser.add_argument("--variant", dest="variants", nargs="+", action="append", required=True,
-                        metavar="NAME [KEY=VALUE", help="a variant: its name, then its overrides")
+                        metavar="NAME [RECIPE] [KEY=VALUE",
+                        help="a variant: its name, its recipe if not the sweep's, then its overrides")
     parser.add_argument("--parallel", type=int, default=None,
                         help="variants running at once (default: all; fewer where their memory would not fit)")
     parser.add_argument("--gpus", type=lambda s: s.split(","), default=None, metavar="0,1,...",
@@ -217,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         parser.error(f"--variant: a name given twice: {names}")
+    if args.shared and any(v.recipe for v in variants):
+        parser.error(f"--shared {args.shared}: every variant starts from the shared model of {args.recipe}; a "
+                     "variant of another recipe cannot")
     if args.shared:
         from pipeline.run import stage_runs
 
@@ -224,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--shared {args.shared}: {args.recipe} does not run its {args.shared} stage (disabled, or "
                          "for align: it converts no layer into SSE); share an earlier stage or none")
     for v in variants:  # every variant's recipe is checked before anything runs
-        load_recipe(args.recipe, [f"output_dir={args.out / v.name}", *variant_overrides(args.common, v, args.shared)])
+        load_recipe(v.recipe or args.recipe,
+                    [f"output_dir={args.out / v.name}", *variant_overrides(args.common, v, args.shared)])
     args.out.mkdir(parents=True, exist_ok=True)
     first, runs = commands(args.recipe, args.out, args.common, variants, args.shared)
     if first is not None:
@@ -248,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(args.out / "sweep.md", table)
     atomic_write(args.out / "sweep.json", json.dumps({"recipe": args.recipe, "shared": args.shared,
                                                       "common": args.common, "variants": {
-                                                          v.name: {"overrides": v.overrides, **rows[v.name]}
+                                                          v.name: {"recipe": v.recipe or args.recipe,
+                                                                   "overrides": v.overrides, **rows[v.name]}
                                                           for v in variants}}, indent=1))
     print("\n" + table)
     return 0 if all(r["returncode"] == 0 for r in rows.values()) else 1

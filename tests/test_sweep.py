@@ -29,12 +29,28 @@ def test_variants_start_from_the_shared_align_stage(tmp_path):
     assert commands("demo", tmp_path, [], [Variant("a")], None)[0] is None
 
 
+def test_a_variant_of_another_recipe_runs_that_recipe(tmp_path):
+    """Both arms side by side in one sweep: a second word without ``=`` names the variant's own recipe; it cannot
+    start from another recipe's shared stage."""
+    arm = parse_variant(["transformer-seed1", "smollm2-135m-transformer", "seed=1"])
+    assert arm == Variant("transformer-seed1", ["seed=1"], "smollm2-135m-transformer")
+    _, runs = commands("smollm2-135m", tmp_path, [], [Variant("sse-h"), arm], None)
+    assert runs["sse-h"][4:6] == ["smollm2-135m", f"output_dir={tmp_path / 'sse-h'}"]
+    assert runs["transformer-seed1"][4:6] == ["smollm2-135m-transformer", f"output_dir={tmp_path / 'transformer-seed1'}"]
+    assert runs["transformer-seed1"][-1] == "seed=1"
+    with pytest.raises(SystemExit):
+        main(["smollm2-135m", "--out", str(tmp_path), "--shared", "align", "--variant", "a",
+              "--variant", "b", "smollm2-135m-transformer"])
+
+
 def test_a_bad_variant_is_named():
     assert parse_variant(["lr", "distill.learning_rate=1e-4"]) == Variant("lr", ["distill.learning_rate=1e-4"])
     with pytest.raises(ValueError, match="first word names the variant"):
         parse_variant(["distill.learning_rate=1e-4"])
-    with pytest.raises(ValueError, match="'fast' is no override"):
+    with pytest.raises(ValueError, match="'fast' is no override .* and no recipe: recipe 'fast' not found"):
         parse_variant(["lr", "fast"])
+    with pytest.raises(ValueError, match="'fast' is no override"):  # a recipe is the second word only
+        parse_variant(["lr", "seed=1", "fast"])
     with pytest.raises(SystemExit):  # the Transformer arm converts nothing: no align stage to share
         main(["smollm2-135m-transformer", "--out", "x", "--shared", "align", "--variant", "a"])
 
