@@ -178,9 +178,10 @@ def generate_benchmark(name: str, problems: list[Problem], repeats: int, backend
                        instruction: str = INSTRUCTION, shard: tuple[int, int] = (0, 1),
                        max_prompt_tokens: int | None = None, long_prompts: str = "skip") -> int:
     """Generates every (problem, sample) of this shard that the log does not hold yet for the same problem
-    text (a record of a problem whose text changed does not count); returns the tokens it generated. A prompt over ``max_prompt_tokens`` is
-    not generated (``long_prompts="skip"``: recorded with finish reason ``prompt_too_long``, scored wrong) or
-    has its problem text shortened (``"truncate"``, finish reason of the generation kept, ``prompt_truncated``)."""
+    text (a record of a problem whose text changed does not count); returns the tokens it generated. A prompt
+    over ``max_prompt_tokens`` is not generated (``long_prompts="skip"``: recorded with finish reason
+    ``prompt_too_long``, scored wrong) or has its problem text shortened (``"truncate"``, finish reason of the
+    generation kept, ``prompt_truncated``)."""
     if long_prompts not in ("skip", "truncate"):
         raise ValueError(f"long_prompts must be 'skip' or 'truncate', got {long_prompts!r}")
     index, count = shard
@@ -329,9 +330,9 @@ def generate(
     max_prompt_tokens: int | None = None,
     long_prompts: str = "skip",
 ) -> int:
-    """Generation only, for one shard of the (problem, sample) pairs; resumable; returns the tokens generated. Generations already in
-    ``output_dir`` are reused only if the same model (``model_id``, default :func:`model_identity`) made them
-    with the same sampling settings and instruction; see :func:`check_settings`."""
+    """Generation only, for one shard of the (problem, sample) pairs; resumable; returns the tokens generated.
+    Generations already in ``output_dir`` are reused only if the same model (``model_id``, default
+    :func:`model_identity`) made them with the same sampling settings and instruction; see :func:`check_settings`."""
     output_dir = Path(output_dir)
     model_id = model_id or model_identity(model)
     model, tokenizer = _load_model(model, tokenizer)

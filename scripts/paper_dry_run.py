@@ -341,10 +341,11 @@ def main(argv=None) -> None:
             stages["stages"][stage]["error"] = error
         print(f"{stage}: {stages['stages'][stage]}", flush=True)
     rates = measured_rates(Path(recipe.output_dir))
-    text = report(stages, rates, records, projections(rates, full, args), args, full)
+    projected = projections(rates, full, args)
+    text = report(stages, rates, records, projected, args, full)
     (out / "dry_run.md").write_text(text)
     (out / "dry_run.json").write_text(json.dumps({"stages": stages, "rates": rates, "records": records,
-                                                  "projections": projections(rates, full, args)}, indent=1))
+                                                  "projections": projected}, indent=1))
     print(text)
 
 

@@ -19,8 +19,8 @@ sweep sees: a small model leaves the GPU waiting on its host, so variants side b
 the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that a variant alone on its GPU
 times what the recipe alone would. Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
-``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics, GRPO's reward
-and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
+``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics,
+GRPO's reward and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
 boxed answers and their accuracy alone. Variants that stopped (out of GPU memory with too many side by side, or the
 machine gone) run again by the same command with a lower ``--parallel``: every finished stage of every variant is
 skipped (an evaluation scores its model's generations again, generating nothing), and the table covers them all.

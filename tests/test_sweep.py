@@ -36,7 +36,8 @@ def test_a_variant_of_another_recipe_runs_that_recipe(tmp_path):
     assert arm == Variant("transformer-seed1", ["seed=1"], "smollm2-135m-transformer")
     _, runs = commands("smollm2-135m", tmp_path, [], [Variant("sse-h"), arm], None)
     assert runs["sse-h"][4:6] == ["smollm2-135m", f"output_dir={tmp_path / 'sse-h'}"]
-    assert runs["transformer-seed1"][4:6] == ["smollm2-135m-transformer", f"output_dir={tmp_path / 'transformer-seed1'}"]
+    assert runs["transformer-seed1"][4:6] == ["smollm2-135m-transformer",
+                                              f"output_dir={tmp_path / 'transformer-seed1'}"]
     assert runs["transformer-seed1"][-1] == "seed=1"
     with pytest.raises(SystemExit):
         main(["smollm2-135m", "--out", str(tmp_path), "--shared", "align", "--variant", "a",

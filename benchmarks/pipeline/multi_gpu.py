@@ -116,15 +116,14 @@ def shared_starts(out: Path, recipes: list) -> list[list[str]]:
     own (half a minute of CPU at 2B) before its stage starts."""
     import hashlib
 
-    from pipeline.recipe import recipe_to_dict
-    from pipeline.stages.base import initial_checkpoint
+    from pipeline.stages.base import initial_checkpoint, initial_settings
 
     starts = []
     for recipe in recipes:
         if recipe.model.path is not None:  # a checkpoint already
             starts.append([])
             continue
-        settings = json.dumps({"model": recipe_to_dict(recipe)["model"], "seed": recipe.seed}, sort_keys=True)
+        settings = json.dumps(initial_settings(recipe), sort_keys=True)
         folder = out / f"start-{hashlib.sha1(settings.encode()).hexdigest()[:10]}"
         path = initial_checkpoint(recipe, folder)  # (built by the function each run would build it with)
         starts.append([f"model.path={path}", "model.preset=null", "model.convert_from=null",

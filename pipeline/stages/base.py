@@ -100,6 +100,11 @@ def model_id(location: str) -> str:
     return identity(location) if is_stored(location) else model_identity(str(materialize(location)))
 
 
+def initial_settings(recipe: Recipe) -> dict:
+    """What a recipe's starting model is built from: a built one with other settings is built again."""
+    return {"model": recipe_to_dict(recipe)["model"], "seed": recipe.seed}
+
+
 def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
     """The recipe's starting model as a directory (built from a preset or converted), built again when the model
     settings or the seed it was built with changed (the old one moved aside)."""
@@ -108,7 +113,7 @@ def initial_checkpoint(recipe: Recipe, out: Path) -> Path:
     if recipe.model.path is not None:
         return Path(recipe.model.path)
     path = out / "initial"
-    settings = {"model": recipe_to_dict(recipe)["model"], "seed": recipe.seed}
+    settings = initial_settings(recipe)
     if is_done(path):
         built = json.loads((path / DONE).read_text()).get("settings")
         if built == settings:
