@@ -286,8 +286,9 @@ class GRPOStageConfig:
     engine_resources: dict = field(default_factory=dict)  # extra Ray resources each engine asks for (its nodes)
     # trainer -> engines: through Ray's object store, broadcast over a process group (NCCL when the engines have
     # GPUs of their own, gloo on CPU; not with engines on the trainer's GPU), or cuda_ipc: engines on the
-    # trainer's GPU (placement colocated, engine.backend sse) copy them from its memory, no trip through the host
-    weight_sync: str = bounded("object_store", choices=("object_store", "broadcast", "cuda_ipc"))
+    # trainer's GPU (placement colocated, engine.backend sse) copy them from its memory, no trip through the host;
+    # auto: the fastest the placement serves (stages/grpo.py::weight_sync_method)
+    weight_sync: str = bounded("auto", choices=("auto", "object_store", "broadcast", "cuda_ipc"))
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging_steps: int = bounded(1, ge=1)
     save_steps: int = bounded(10, ge=1)

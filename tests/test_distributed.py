@@ -268,14 +268,39 @@ def test_grpo_trains_on_two_data_parallel_workers_each_with_its_engine(tmp_path)
     from pipeline.run import run_recipe
 
     recipe = load_recipe("demo", [f"output_dir={tmp_path}", "grpo.steps=2", "grpo.num_workers=2", "ray.num_cpus=4",
-                                  "grpo.max_completion_length=16", "grpo.save_steps=100"])
+                                  "grpo.max_completion_length=16", "grpo.save_steps=100",
+                                  "grpo.dynamic_sampling=false"])  # (one round: each batch's tokens generated once)
     run_recipe(recipe, ("grpo",))
     rows = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    # the tokens generated are both workers' (each generated half the batch; rank 0's alone were logged before)
+    generated = [r for r in rows if "tokens/generated" in r]
+    rollouts = recipe.grpo.prompts_per_batch * recipe.grpo.num_generations
+    assert generated and all(r["tokens/generated"] == pytest.approx(r["completions/mean_length"] * rollouts)
+                             for r in generated), generated
     assert (tmp_path / "grpo" / "engines.json").exists() and (tmp_path / "grpo" / "engines-worker1.json").exists()
     assert (tmp_path / "grpo" / "final" / "config.json").exists()
     with pytest.raises(RecipeError, match="grpo.prompts_per_batch: 8 prompts do not divide over 3 trainer workers"):
         load_recipe("demo", ["grpo.num_workers=3"])
+
+
+def test_every_eval_shards_rate_is_printed_by_the_process_that_waited_for_them(tmp_path, capsys):
+    """Each shard's tokens and seconds reach the caller, which prints a line per shard: printed by the workers, Ray
+    folded lines that differ only in numbers (``[repeated 3x across cluster]``), and a 4-GPU evaluation's rate
+    could not be read from its log."""
+    import re
+
+    from pipeline.run import init_ray
+    from pipeline.stages.base import initial_checkpoint
+    from pipeline.stages.evaluate import generate_all
+
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", "ray.num_cpus=2", "eval.benchmarks=[arithmetic]",
+                                  "eval.limit=2", "eval.repeats=1", "eval.max_new_tokens=4"])
+    checkpoint = initial_checkpoint(recipe, tmp_path)
+    init_ray(recipe)
+    generate_all(recipe, tmp_path / "eval", checkpoint, workers=2)
+    lines = re.findall(r"^eval: shard (\d) of 2: (\d+) tokens generated in", capsys.readouterr().out, re.M)
+    assert [k for k, _ in lines] == ["1", "2"] and all(int(tokens) > 0 for _, tokens in lines)
 
 
 def test_grpo_generating_ahead_on_two_trainer_workers(tmp_path):

@@ -301,6 +301,27 @@ def test_cuda_ipc_weight_sync_is_refused_for_vllm_and_for_engines_off_the_traine
     assert not (tmp_path / "distill").exists()
 
 
+def test_auto_weight_sync_takes_the_fastest_way_the_placement_serves():
+    """``grpo.weight_sync: auto`` (the default): CUDA IPC to our engines on the trainer's GPU, NCCL broadcast to
+    engines on GPUs of their own, the object store for vLLM, a sharded colocated trainer and CPU runs. The object
+    store was the default on every placement: 17.6 s a sync of the 2B on one H200 against 0.02 s by CUDA IPC."""
+    from pipeline.placement import plan
+    from pipeline.stages.grpo import weight_sync_method
+
+    def method(recipe_name, overrides, gpus, sharded=False):
+        recipe = load_recipe(recipe_name, overrides)
+        return weight_sync_method(recipe, plan(recipe, gpus, cpus=64).grpo, sharded)
+
+    assert load_recipe("paper-2b").grpo.weight_sync == "auto"
+    assert method("paper-2b", [], 1) == method("paper-2b", [], 4) == "cuda_ipc"
+    assert method("paper-2b", [], 4, sharded=True) == "object_store"
+    assert method("paper-2b", ["grpo.placement=split"], 4) == "nccl"
+    assert method("paper-2b", ["grpo.placement=split"], 4, sharded=True) == "nccl"  # gathered a tensor at a time
+    assert method("paper-2b", ["grpo.engine.backend=vllm"], 4) == "object_store"
+    assert method("demo", [], 0) == "object_store"
+    assert method("paper-2b", ["grpo.placement=split", "grpo.weight_sync=object_store"], 4) == "object_store"
+
+
 def test_a_residual_dtype_for_vllm_is_refused():
     """``engine.residual_dtype`` is our engine's option; vLLM would take it and run as before without a word."""
     for stage in ("grpo", "eval"):

@@ -45,10 +45,11 @@ def _shard_store(recipe: Recipe, workers: int, scored: str) -> str | None:
     return recipe.stored_at("eval", "generations", hashlib.sha1(scored.encode()).hexdigest()[:12])
 
 
-def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> None:
+def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> tuple[int, float]:
     """Generation for one shard of every benchmark, with the rollout engine or ``model.generate``. ``location``:
     the checkpoint, a local path or a stored URI (fetched on this node). With storage, the shard's generations
-    are fetched before (resuming) and stored after, so workers on any node need no common output folder."""
+    are fetched before (resuming) and stored after, so workers on any node need no common output folder. Returns
+    the tokens it generated and the seconds that took (model loading and engine start apart)."""
     cfg = recipe.eval
     device = resolve_device(recipe.device)
     scored = model_id(location)
@@ -82,10 +83,17 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
                       cfg.limit, instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
                       max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
     seconds = time.perf_counter() - began
-    print(f"eval: shard {shard[0] + 1} of {shard[1]}: {tokens} tokens generated in {seconds:.1f} s "
-          f"({tokens / max(seconds, 1e-9):.0f} tok/s)", flush=True)
     if store is not None:
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
+    return tokens, seconds
+
+
+def _log_shards(rates: list[tuple[int, float]]) -> None:
+    """A line per shard, printed by the one process that waited for them all: Ray folds lines that differ only in
+    their numbers when several workers print them (``[repeated 3x across cluster]``), which lost shards' rates."""
+    for k, (tokens, seconds) in enumerate(rates):
+        print(f"eval: shard {k + 1} of {len(rates)}: {tokens} tokens generated in {seconds:.1f} s "
+              f"({tokens / max(seconds, 1e-9):.0f} tok/s)", flush=True)
 
 
 def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, workers: int = 1,
@@ -94,10 +102,10 @@ def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, workers:
     sharded over ``workers`` Ray workers (:mod:`pipeline.placement`) of ``num_gpus_per_worker`` GPUs each."""
     out_dir = Path(out_dir)
     if workers <= 1:
-        generate_shard(recipe, str(checkpoint), str(out_dir), (0, 1))
+        _log_shards([generate_shard(recipe, str(checkpoint), str(out_dir), (0, 1))])
         return
     task = ray.remote(num_cpus=1, num_gpus=num_gpus_per_worker)(generate_shard)
-    ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)])
+    _log_shards(ray.get([task.remote(recipe, str(checkpoint), str(out_dir), (k, workers)) for k in range(workers)]))
     store = _shard_store(recipe, workers, model_id(str(checkpoint)))
     if store is not None:  # every worker's shards, wherever it ran
         get_files(store, out_dir / "generations")

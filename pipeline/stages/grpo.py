@@ -276,7 +276,9 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
                 result["prompt_ids"].append(out.prompt_token_ids)
                 result["completion_ids"].append(completion.token_ids)
                 result["logprobs"].append(completion.logprobs)
-        self.timer.count("tokens/generated", sum(len(c) for c in result["completion_ids"]))
+        # every worker's (each generates its share of the batch; the count is the run's, as TRL's completion stats)
+        generated = torch.tensor([sum(len(c) for c in result["completion_ids"])], device=self.accelerator.device)
+        self.timer.count("tokens/generated", int(self.accelerator.gather(generated).sum()))
         return result
 
     def _batch_ahead(self, j: int) -> list[dict]:
@@ -448,8 +450,9 @@ def _write_engines(out_dir: Path, fleet) -> list[dict]:
 
 
 def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> Path:
-    """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory(trainer_bytes)`` builds the engine fleet (which
-    reads the model where it is kept, stored or local), told what the trainer keeps on its GPU."""
+    """Runs GRPO from the checkpoint ``start_from``; ``fleet_factory(trainer_bytes, sharded)`` builds the engine fleet
+    (which reads the model where it is kept, stored or local), told what the trainer keeps on its GPU and whether
+    it is sharded."""
     out_dir = Path(out_dir)
     if (final := done("grpo", out_dir)) is not None:
         return final
@@ -466,7 +469,7 @@ def run_grpo(recipe: Recipe, out_dir: Path, start_from: Path, fleet_factory) -> 
                             strict=recipe.grpo.rewards.strict_boxed)
     funcs, reward_weights = build_rewards(recipe, timer, verifier, {tokenizer.eos_token_id, tokenizer.pad_token_id})
     trainer_bytes = training_state_bytes(model) // (world()[1] if fsdp else 1)  # this worker's, while engines generate
-    fleet = fleet_factory(trainer_bytes)
+    fleet = fleet_factory(trainer_bytes, fsdp)
     try:  # the engines hold Ray resources (GPUs) that the next stage needs: released however this ends
         engines = _write_engines(out_dir, fleet)
         logger.info("grpo: %d engine(s): %s", len(engines),
@@ -515,6 +518,21 @@ def colocated_vllm_cache(trainer_bytes: int) -> int:
     return budget
 
 
+def weight_sync_method(recipe: Recipe, plan: GRPOPlacement, sharded: bool) -> str:
+    """The fleet's ``weight_sync`` for ``grpo.weight_sync`` where ``plan`` puts the engines. ``auto`` takes the
+    fastest the placement serves: this package's engines on the trainer's GPU copy its memory (``cuda_ipc``; not
+    from a sharded trainer, whose gathered weights would make a second whole copy on that GPU), engines on GPUs of
+    their own take an NCCL broadcast; vLLM's engines and CPU runs use Ray's object store."""
+    sync, gpu_engines = recipe.grpo.weight_sync, plan.engine.get("num_gpus", 0) > 0
+    if sync == "auto":
+        if recipe.grpo.engine.backend != "sse" or not gpu_engines or (plan.colocated and sharded):
+            return "object_store"
+        sync = "cuda_ipc" if plan.colocated else "broadcast"
+    if sync == "broadcast":  # (a colocated broadcast is refused before the stages start: GRPOStage.check_plan)
+        return "nccl" if plan.engine.get("num_gpus", 0) >= 1 else "gloo"
+    return sync
+
+
 def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacement, group) -> str:
     from ..models import engine_options, resolve_device
     from ..rollout.actor import EngineFleet
@@ -522,16 +540,13 @@ def _grpo_task(recipe: Recipe, out_dir: str, start_from: str, plan: GRPOPlacemen
 
     task_setup()
     cfg = recipe.grpo
-    sync = cfg.weight_sync
-    if sync == "broadcast":  # (a colocated broadcast is refused before the stages start: GRPOStage.check_plan)
-        sync = "nccl" if plan.engine.get("num_gpus", 0) >= 1 else "gloo"
 
-    def fleet_factory(trainer_bytes: int):  # the engines read the model where it is kept: stored, on any node
+    def fleet_factory(trainer_bytes: int, sharded: bool):  # the engines read the model where it is kept: stored
         options = engine_options(recipe, cfg.engine, cfg.max_prompt_length + cfg.max_completion_length)
         if plan.colocated and cfg.engine.backend == "vllm" and options["memory_budget"] is None:
             options["memory_budget"] = colocated_vllm_cache(trainer_bytes)
         return EngineFleet(start_from, None, num_engines=plan.engines, max_restarts=cfg.max_engine_restarts,
-                           weight_sync=sync,
+                           weight_sync=weight_sync_method(recipe, plan, sharded),
                            sleep_between_calls=plan.colocated if cfg.engine.sleep is None else cfg.engine.sleep,
                            device=resolve_device(recipe.device).type, **options,
                            **plan.engine, resources=cfg.engine_resources, placement_group=group,
