@@ -33,11 +33,11 @@ def test_a_run_that_cannot_resolve_stops_the_bench_naming_it(tmp_path):
 
 
 def test_the_evaluation_rate_is_every_shards_tokens_over_the_slowest_shard():
-    log = ("(generate_shard pid=1) eval: shard 2 of 2: 3000 tokens generated in 30.0 s (100 tok/s)\n"
-           "noise\n(generate_shard pid=2) eval: shard 1 of 2: 1000 tokens generated in 10.0 s (100 tok/s)\n")
+    log = ("eval: shard 2 of 2: 3000 tokens generated in 30.0 s (100 tok/s, 60 sequences at once of 256 slots)\n"
+           "noise\neval: shard 1 of 2: 1000 tokens generated in 10.0 s (100 tok/s, 20 sequences at once of 256 slots)\n")
     rates = shard_rates(log)
     assert rates["generated"] == 4000 and rates["generate_s"] == 30.0 and rates["generated_per_s"] == 4000 / 30
-    assert rates["shard_s"] == [10.0, 30.0]
+    assert rates["shard_s"] == [10.0, 30.0] and rates["at_once"] == 40
     assert shard_rates(log.splitlines()[0]) == {}  # a shard missing: no rate rather than half of one
 
 

@@ -299,8 +299,10 @@ def test_every_eval_shards_rate_is_printed_by_the_process_that_waited_for_them(t
     checkpoint = initial_checkpoint(recipe, tmp_path)
     init_ray(recipe)
     generate_all(recipe, tmp_path / "eval", checkpoint, workers=2)
-    lines = re.findall(r"^eval: shard (\d) of 2: (\d+) tokens generated in", capsys.readouterr().out, re.M)
-    assert [k for k, _ in lines] == ["1", "2"] and all(int(tokens) > 0 for _, tokens in lines)
+    lines = re.findall(r"^eval: shard (\d) of 2: (\d+) tokens generated in .* (\d+) sequences at once of (\d+) slots",
+                       capsys.readouterr().out, re.M)
+    assert [k for k, *_ in lines] == ["1", "2"]
+    assert all(int(tokens) > 0 and 1 <= int(at_once) <= int(slots) for _, tokens, at_once, slots in lines), lines
 
 
 def test_grpo_generating_ahead_on_two_trainer_workers(tmp_path):

@@ -275,16 +275,19 @@ def shard_rates(log_text: str) -> dict:
     engine start left out."""
     import re
 
-    shards = {}
-    for k, n, tokens, seconds in re.findall(r"eval: shard (\d+) of (\d+): (\d+) tokens generated in ([\d.]+) s",
-                                            log_text):
-        shards[int(k)] = (int(n), int(tokens), float(seconds))
+    shards, at_once = {}, []
+    for line in log_text.splitlines():
+        found = re.search(r"eval: shard (\d+) of (\d+): (\d+) tokens generated in ([\d.]+) s", line)
+        if found:
+            k, n, tokens, seconds = found.groups()
+            shards[int(k)] = (int(n), int(tokens), float(seconds))
+            at_once += [int(m) for m in re.findall(r"(\d+) sequences at once", line)]
     if not shards or len(shards) != next(iter(shards.values()))[0]:
         return {}
     generated = sum(t for _, t, _ in shards.values())
     seconds = max(s for _, _, s in shards.values())
     return {"generate_s": seconds, "shard_s": sorted(s for _, _, s in shards.values()), "generated": generated,
-            "generated_per_s": generated / seconds}
+            "generated_per_s": generated / seconds, "at_once": sum(at_once) / len(at_once) if at_once else None}
 
 
 def bench_eval(args):
@@ -298,14 +301,14 @@ def bench_eval(args):
 def eval_table(results: list[dict]) -> str:
     base = next((r["generated_per_s"] for r in results if r.get("generated_per_s")), None)
     lines = ["| run | GPUs | generation s (slowest shard) | fastest shard s | generated tokens | tok/s | x first row | "
-             "stage s | peak GiB |", "| --- " * 9 + "|"]
+             "sequences at once (an engine's mean) | stage s | peak GiB |", "| --- " * 10 + "|"]
     for r in results:
         if r.get("generated_per_s"):
             lines.append(f"| {r['name']} | {r['gpus']} | {r['generate_s']:.0f} | {r['shard_s'][0]:.0f} | "
                          f"{r['generated']:,.0f} | {r['generated_per_s']:,.0f} | {r['generated_per_s'] / base:.2f} | "
-                         f"{r['seconds']:.0f} | {r['peak_gib'] or 0:.1f} |")
+                         f"{r['at_once'] or 0:.0f} | {r['seconds']:.0f} | {r['peak_gib'] or 0:.1f} |")
         else:
-            lines.append(f"| {r['name']} | {r['gpus']} | failed (exit {r['exit']}): {r['error'][:160]} |" + " |" * 6)
+            lines.append(f"| {r['name']} | {r['gpus']} | failed (exit {r['exit']}): {r['error'][:160]} |" + " |" * 7)
     return "\n".join(lines)
 
 

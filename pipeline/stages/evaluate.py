@@ -45,11 +45,12 @@ def _shard_store(recipe: Recipe, workers: int, scored: str) -> str | None:
     return recipe.stored_at("eval", "generations", hashlib.sha1(scored.encode()).hexdigest()[:12])
 
 
-def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> tuple[int, float]:
+def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int, int]) -> dict:
     """Generation for one shard of every benchmark, with the rollout engine or ``model.generate``. ``location``:
     the checkpoint, a local path or a stored URI (fetched on this node). With storage, the shard's generations
     are fetched before (resuming) and stored after, so workers on any node need no common output folder. Returns
-    the tokens it generated and the seconds that took (model loading and engine start apart)."""
+    the tokens it generated, the seconds that took (model loading and engine start apart) and, with this package's
+    engine, its slots and the sequences it ran at once on average (what decides its rate)."""
     cfg = recipe.eval
     device = resolve_device(recipe.device)
     scored = model_id(location)
@@ -82,18 +83,22 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
     tokens = generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend,
                       cfg.limit, instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
                       max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
-    seconds = time.perf_counter() - began
+    rate = {"tokens": tokens, "seconds": time.perf_counter() - began}
+    stats = getattr(getattr(backend, "engine", None), "stats", None)
+    if stats is not None and stats.decode_steps:  # (vLLM's engine keeps no such count)
+        rate.update(slots=backend.engine.max_slots, in_flight=stats.occupied_slot_steps / stats.decode_steps)
     if store is not None:
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
-    return tokens, seconds
+    return rate
 
 
-def _log_shards(rates: list[tuple[int, float]]) -> None:
+def _log_shards(rates: list[dict]) -> None:
     """A line per shard, printed by the one process that waited for them all: Ray folds lines that differ only in
     their numbers when several workers print them (``[repeated 3x across cluster]``), which lost shards' rates."""
-    for k, (tokens, seconds) in enumerate(rates):
-        print(f"eval: shard {k + 1} of {len(rates)}: {tokens} tokens generated in {seconds:.1f} s "
-              f"({tokens / max(seconds, 1e-9):.0f} tok/s)", flush=True)
+    for k, r in enumerate(rates):
+        flight = f", {r['in_flight']:.0f} sequences at once of {r['slots']} slots" if "slots" in r else ""
+        print(f"eval: shard {k + 1} of {len(rates)}: {r['tokens']} tokens generated in {r['seconds']:.1f} s "
+              f"({r['tokens'] / max(r['seconds'], 1e-9):.0f} tok/s{flight})", flush=True)
 
 
 def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, workers: int = 1,
