@@ -165,6 +165,10 @@ class Scaling:
     max_in_flight: int = 64
     # sampling rounds a generation batch takes (dynamic sampling resamples groups whose rewards all agree)
     sampling_rounds: float = 1.0
+    # one weight sync of the 2B to the engines, measured (docs/multi_gpu.md, H200): CUDA IPC 0.023 s to an engine
+    # on the trainer's GPU, NCCL broadcast 0.027 s to engines on their own, what grpo.weight_sync: auto takes;
+    # None: the dry run's own sync (its object store's 17.8 s on the H100)
+    weight_sync_s: float | None = 0.027
 
     def speedup(self, gpus: int) -> float:
         if gpus in self.data_parallel:
@@ -201,16 +205,25 @@ def projection(rates: dict, recipe, gpus: int, trace_tokens: float, generated_to
 
     train_s = rollouts / scaling.sampling_rounds * (g["mean_prompt"] + generated_tokens) / g["trained_per_s"] * \
         cfg.num_iterations  # (only the last round's groups are trained on)
-    fixed_s = g["weight_sync_s"] + g["reward_s"] * rollouts / g["rollouts"]  # weight sync: per generation batch
+    sync_s = g["weight_sync_s"] if scaling.weight_sync_s is None else scaling.weight_sync_s
+    fixed_s = sync_s + g["reward_s"] * rollouts / g["rollouts"]  # weight sync: per generation batch
     # colocated (an engine and a trainer worker on every GPU, taking turns), or split into engines and trainers
     layouts = [("colocated", generate_s(gpus, rollouts) + train_s / scaling.speedup(gpus) + fixed_s)]
     layouts += [((e, gpus - e), generate_s(e, rollouts) + train_s / scaling.speedup(gpus - e) + fixed_s)
                 for e in range(1, gpus)]
     split, batch_s = min(layouts, key=lambda x: x[1])
+    # generating ahead (grpo.max_staleness: 1, split layouts; it needs dynamic sampling off, so one round): the
+    # engines generate the next batch while the trainers train on this one, a batch takes the slower of the two
+    one_round = rollouts / scaling.sampling_rounds
+    ahead = [((e, gpus - e), max(generate_s(e, one_round), train_s / scaling.speedup(gpus - e)) + fixed_s)
+             for e in range(1, gpus)]
+    ahead_split, ahead_s = min(ahead, key=lambda x: x[1]) if ahead else (None, None)
     generation_batches = math.ceil(cfg.steps / (cfg.mini_batches * cfg.num_iterations))
     grpo_h = generation_batches * batch_s / 3600
     eval_h = generate_s(gpus, eval_problems(recipe) * recipe.eval.repeats) / 3600
     return {"gpus": gpus, "distill_h": distill_h, "grpo_h": grpo_h, "grpo_split": split, "grpo_batch_s": batch_s,
+            "grpo_ahead_split": ahead_split, "grpo_ahead_batch_s": ahead_s,
+            "grpo_ahead_h": generation_batches * ahead_s / 3600 if ahead else None,
             "eval_h": eval_h, "total_h": distill_h + grpo_h + eval_h}
 
 
@@ -234,12 +247,15 @@ def report(stages: dict, rates: dict, records: dict, projections: list[dict], ar
                   f"generation batches of {recipe.grpo.prompts_per_batch} x {recipe.grpo.num_generations}, "
                   f"{eval_problems(recipe):,} problems x "
                   f"{recipe.eval.repeats}), hours:", "",
-                  "| generated tokens per sample | GPUs | distill | GRPO (engines + trainers) | eval | total |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| generated tokens per sample | GPUs | distill | GRPO (engines + trainers) | eval | total | "
+                  "GRPO generating ahead, one batch stale (engines + trainers) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for p in projections:
             split = p["grpo_split"] if isinstance(p["grpo_split"], str) else "{} + {}".format(*p["grpo_split"])
+            ahead = (f"{p['grpo_ahead_h']:.1f} ({p['grpo_ahead_split'][0]} + {p['grpo_ahead_split'][1]})"
+                     if p.get("grpo_ahead_h") is not None else "needs 2 GPUs")
             lines.append(f"| {p['generated_tokens']:,} | {p['gpus']} | {p['distill_h']:.1f} | {p['grpo_h']:.1f} "
-                         f"({split}) | {p['eval_h']:.1f} | {p['total_h']:.1f} |")
+                         f"({split}) | {p['eval_h']:.1f} | {p['total_h']:.1f} | {ahead} |")
         scaling = args.scaling
         measured = ", ".join(f"{k}: {v:.2f}x" for k, v in sorted(scaling.data_parallel.items()))
         lines += ["", f"Assumptions: distillation traces of the mean length above ({args.trace_tokens:,.0f} tokens); "
@@ -250,8 +266,13 @@ def report(stages: dict, rates: dict, records: dict, projections: list[dict], ar
                   "the card's bandwidth, plus a measured part per sequence; at most "
                   f"{scaling.max_in_flight} at once), {scaling.sampling_rounds:g} sampling round(s) per generation "
                   f"batch (dynamic sampling can take up to {recipe.grpo.max_sampling_rounds}), rollout and training "
-                  "not overlapped; evaluation on every GPU's engine at the same rates; rows of 32,768 generated "
-                  "tokens are what random weights produce (the worst case).", ""]
+                  "taking turns (the recipe's synchronous GRPO); "
+                  + ("the dry run's own weight sync" if scaling.weight_sync_s is None else
+                     f"a weight sync of {scaling.weight_sync_s:g} s (CUDA IPC or NCCL broadcast, measured)")
+                  + " per generation batch; generating ahead (`grpo.max_staleness: 1`, a recipe change: it needs "
+                  "dynamic sampling off, so one round) takes the slower of rollout and training (optimistic: on 4 H200 "
+                  "its batch took 15.2 s where training alone took 13.5 s synchronously, docs/multi_gpu.md); evaluation on every GPU's engine at the same rates; rows of "
+                  "32,768 generated tokens are what random weights produce (the worst case).", ""]
     return "\n".join(lines)
 
 
@@ -297,10 +318,13 @@ def main(argv=None) -> None:
     parser.add_argument("--data-parallel", nargs="+", default=None, metavar="GPUS:SPEEDUP",
                         help="measured data-parallel speedups over one GPU (default: docs/multi_gpu.md's 4 H200)")
     parser.add_argument("--sampling-rounds", type=float, default=1.0, help="mean sampling rounds a generation batch")
+    parser.add_argument("--dry-run-sync", action="store_true",
+                        help="project with the dry run's own weight sync, not the measured CUDA IPC / NCCL one")
     args = parser.parse_args(argv)
     from pipeline.recipe import load_recipe
 
-    args.scaling = Scaling(sampling_rounds=args.sampling_rounds)
+    args.scaling = Scaling(sampling_rounds=args.sampling_rounds,
+                           weight_sync_s=None if args.dry_run_sync else Scaling.weight_sync_s)
     if args.data_parallel:
         args.scaling.data_parallel = {int(k): float(v) for k, v in (x.split(":") for x in args.data_parallel)}
     out = Path(args.out)

@@ -198,7 +198,7 @@ def test_projection_scales_each_stage_as_its_assumptions_say():
     rates = {"distill": {"tokens_per_s": 10000.0},
              "grpo": {"rollouts": 64, "mean_prompt": 200.0, "generated_per_s": 5000.0, "trained_per_s": 20000.0,
                       "weight_sync_s": 10.0, "reward_s": 4.0}}
-    scaling = Scaling(data_parallel={1: 1.0, 2: 1.9, 4: 3.6})
+    scaling = Scaling(data_parallel={1: 1.0, 2: 1.9, 4: 3.6}, weight_sync_s=None)  # (the dry run's own sync)
     one, eight = (projection(rates, full, gpus, 4000, 8192, scaling) for gpus in (1, 8))
     assert one["distill_h"] == pytest.approx(80000 * 5 * 4000 / 10000 / 3600)
     assert eight["distill_h"] == pytest.approx(one["distill_h"] / (8 * 3.6 / 4))  # the largest measured efficiency
@@ -214,6 +214,13 @@ def test_projection_scales_each_stage_as_its_assumptions_say():
                [(engines_s(8), train / (8 * 3.6 / 4))] + [(engines_s(e), train / scaling.speedup(8 - e))
                                                          for e in range(1, 8)]]
     assert eight["grpo_batch_s"] == pytest.approx(min(layouts) + fixed)
+    # generating ahead: the slower of the engines' generation and the trainers' training, over the splits; one GPU
+    # cannot overlap them
+    ahead = min(max(engines_s(e), train / scaling.speedup(8 - e)) for e in range(1, 8))
+    assert eight["grpo_ahead_batch_s"] == pytest.approx(ahead + fixed)
+    assert one["grpo_ahead_h"] is None
+    measured_sync = projection(rates, full, 1, 4000, 8192, Scaling(weight_sync_s=0.03))
+    assert measured_sync["grpo_batch_s"] == pytest.approx(generate + train + 0.03 + 4 * rollouts / 64)
     assert eight["eval_h"] == pytest.approx(1275 * 32 * 8192 / (5000 * 8) / 3600)  # every engine full
 
 
