@@ -529,7 +529,7 @@ def weight_sync_method(recipe: Recipe, plan: GRPOPlacement, sharded: bool) -> st
             return "object_store"
         sync = "cuda_ipc" if plan.colocated else "broadcast"
     if sync == "broadcast":  # (a colocated broadcast is refused before the stages start: GRPOStage.check_plan)
-        return "nccl" if plan.engine.get("num_gpus", 0) >= 1 else "gloo"
+        return "nccl" if gpu_engines else "gloo"
     return sync
 
 
