@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   "GRPO curves, engine throughput (markdown + plot)")
     compare.add_argument("runs", nargs="+", help="run folders (output_dir), each optionally LABEL=FOLDER")
     compare.add_argument("--out", default="comparison", help="folder for compare.md and compare.png")
+    compare.add_argument("--reference", nargs="+", metavar="LABEL", default=None,
+                         help="runs whose GRPO reward curves make a band (draws of one setting over seeds); every "
+                              "other run's curve is read against it, rollout for rollout")
     keep = commands.add_parser("keep", help="copy a finished run's results (recipes, reports, plots, metrics, "
                                             "summaries) without its weights or generations, for compare")
     keep.add_argument("run", help="the run folder (its output_dir)")
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import compare as write_comparison
 
         try:
-            print(f"wrote {write_comparison(args.runs, args.out)} (and compare.png beside it)")
+            print(f"wrote {write_comparison(args.runs, args.out, args.reference)} (and compare.png beside it)")
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from common.files import atomic_write, read_text
-from eval.metrics import bootstrap_ci, hierarchical_bootstrap, percentile_interval
+from eval.metrics import bootstrap_ci, hierarchical_bootstrap, percentile_interval, prediction_interval
 from eval.report import accuracy, accuracy_cell, answer_style, percent_ci
 
 from .metrics import first_last_means, moving_average, read_metrics
@@ -82,6 +82,7 @@ class Run:
     # paired with itself, which measures the evaluation rather than the model
     evaluated_with: str | None = None
     seeds: str | None = None  # every seed of the recipe (its own, each data set's): runs alike in all are one draw
+    rollouts_per_step: int | None = None  # GRPO's rollouts an optimizer step trains on (its recipe's)
 
 
 def stage_of(model: str, where: Path, run: Path) -> str:
@@ -129,6 +130,9 @@ def read_run(label: str, folder: Path) -> Run:
                     borrowed[name] = run.starts[stage]
     if isinstance(resolved, dict):
         run.seeds = json.dumps(_seeds(resolved), sort_keys=True)
+        grpo = resolved.get("grpo") or {}
+        if all(isinstance(grpo.get(k), int) for k in ("prompts_per_batch", "num_generations", "mini_batches")):
+            run.rollouts_per_step = grpo["prompts_per_batch"] * grpo["num_generations"] // grpo["mini_batches"]
         run.evaluated_with = json.dumps(_settings(resolved, "eval"), sort_keys=True, default=str)
         for stage, chain in CHAIN.items():
             # a borrowed start: the lineage names that model and the stages from it on (draws from one shared
@@ -516,6 +520,49 @@ def markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def smoothed(run: Run, name: str = "reward") -> dict[int, float]:
+    """A run's GRPO curve as the figure draws it (a trailing mean over a tenth of its points), by rollouts trained
+    on so far (by step where its recipe does not say how many a step trains on)."""
+    points = run.curves.get(name, [])
+    values = moving_average([v for _, v in points], max(1, len(points) // 10))
+    per_step = run.rollouts_per_step or 1
+    return {step * per_step: value for (step, _), value in zip(points, values)}
+
+
+def reward_band(reference: list[Run], runs: list[Run]) -> list[str]:
+    """Each run's GRPO reward against the spread of the ``reference`` runs (independent draws of one setting, e.g.
+    synchronous GRPO over seeds), rollout for rollout: the share of its points inside the references' 95% prediction
+    interval there (where a new draw of their setting lands 95% of the time), and its last fifth's mean against
+    the same interval of theirs. A run that learned as they did stays inside about 95% of the time."""
+    if len(reference) < 2:
+        raise ValueError("--reference: a spread needs two or more runs, got "
+                         + (", ".join(r.label for r in reference) or "none"))
+    curves = {r.label: smoothed(r) for r in [*reference, *runs]}
+    for label, curve in curves.items():
+        if not curve:
+            raise ValueError(f"{label}: no GRPO reward curve (grpo/metrics.jsonl) to set against the reference")
+    band = reference_band(reference)
+    low, high = prediction_interval([first_last_means(list(curves[r.label].values()))[1] for r in reference])
+    names = ", ".join(r.label for r in reference)
+    lines = [f"GRPO's reward (trailing mean) against a new draw's 95% prediction interval from {names}, at the same "
+             "rollouts trained on:", "",
+             "| run | rollouts compared | inside the interval | last fifth's mean | the interval of it |",
+             "|---|---|---|---|---|"]
+    for run in runs:
+        at = sorted(set(band) & set(curves[run.label]))
+        inside = [band[x][0] <= curves[run.label][x] <= band[x][1] for x in at]
+        end = first_last_means(list(curves[run.label].values()))[1]
+        share = f"{100 * sum(inside) / len(inside):.0f}% of {len(inside)} points" if inside else "none shared"
+        lines.append(f"| {run.label} | {at[-1] if at else 0:,} | {share} | {end:.3f} | {low:.3f} to {high:.3f} |")
+    return lines
+
+
+def reference_band(reference: list[Run]) -> dict[int, tuple[float, float]]:
+    """The references' 95% prediction interval of the reward's trailing mean, at every point all of them have."""
+    curves = [smoothed(r) for r in reference]
+    return {x: prediction_interval([c[x] for c in curves]) for x in sorted(set.intersection(*(set(c) for c in curves)))}
+
+
 def palette(n: int) -> list:
     """``n`` distinct colours: matplotlib's ten, twenty, or as many as asked from a continuous map (the default
     cycle repeats after ten, and a comparison of a few runs' every stage has more bars than that)."""
@@ -528,7 +575,7 @@ def palette(n: int) -> list:
     return [colormaps["turbo"](i / (n - 1)) for i in range(n)]
 
 
-def plot(runs: list[Run], path: Path) -> None:
+def plot(runs: list[Run], path: Path, reference: list[Run] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -553,14 +600,19 @@ def plot(runs: list[Run], path: Path) -> None:
     left.set_ylabel("avg@n accuracy (%)")
     left.set_title("Accuracy (95% CI)")
     left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    per_sample = bool(reference) and all(run.rollouts_per_step for run in runs)
+    if reference:  # the reference runs' interval, rollout for rollout (reward_band's)
+        band = reference_band(reference)
+        xs = list(band) if per_sample else [x // (reference[0].rollouts_per_step or 1) for x in band]
+        right.fill_between(xs, [lo for lo, _ in band.values()], [hi for _, hi in band.values()], color="0.85",
+                           label="reference runs' reward, 95% prediction interval")
     for run, colour in zip(runs, palette(len(runs))):  # one colour a run: solid reward, dashed accuracy
         for name, style in (("reward", "-"), ("accuracy", "--")):
-            points = run.curves.get(name)
+            points = smoothed(run, name)
             if points:
-                steps = [s for s, _ in points]
-                values = moving_average([v for _, v in points], max(1, len(points) // 10))
-                right.plot(steps, values, style, color=colour, label=f"{run.label}: {name}")
-    right.set_xlabel("GRPO step")
+                xs = list(points) if per_sample else [x // (run.rollouts_per_step or 1) for x in points]
+                right.plot(xs, list(points.values()), style, color=colour, label=f"{run.label}: {name}")
+    right.set_xlabel("rollouts trained on" if per_sample else "GRPO step")
     right.set_title("GRPO reward and accuracy (moving average)")
     if right.lines:
         right.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
@@ -569,9 +621,10 @@ def plot(runs: list[Run], path: Path) -> None:
     plt.close(fig)
 
 
-def compare(entries: list[str], out: Path) -> Path:
+def compare(entries: list[str], out: Path, reference: list[str] | None = None) -> Path:
     """``entries``: run folders, each optionally ``LABEL=FOLDER``; writes ``out/compare.md`` and ``out/compare.png``
-    and returns the markdown file."""
+    and returns the markdown file. ``reference``: labels of runs whose GRPO reward curves make a band that every
+    other run is read against (:func:`reward_band`)."""
     runs, seen = [], {}
     for entry in entries:
         label, _, folder = entry.partition("=") if "=" in entry else ("", "", entry)
@@ -580,8 +633,15 @@ def compare(entries: list[str], out: Path) -> Path:
             raise ValueError(f"{folder}: given twice (as {seen[where]} and {entry}); each run once")
         seen[where] = entry
         runs.append(read_run(label or Path(folder).name, Path(folder)))
+    band = []
+    if reference:
+        labels = [run.label for run in runs]
+        for label in reference:
+            if label not in labels:
+                raise ValueError(f"--reference {label}: no run of that label (the runs: {', '.join(labels)})")
+        band = reward_band([r for r in runs if r.label in reference], [r for r in runs if r.label not in reference])
     out = Path(out)
-    plot(runs, out / "compare.png")
-    text = markdown(runs) + "\n![comparison](compare.png)\n"
+    plot(runs, out / "compare.png", [r for r in runs if r.label in (reference or [])])
+    text = markdown(runs) + ("\n" + "\n".join(band) + "\n" if band else "") + "\n![comparison](compare.png)\n"
     atomic_write(out / "compare.md", text)
     return out / "compare.md"

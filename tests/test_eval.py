@@ -724,3 +724,66 @@ def test_a_finished_run_moved_to_another_folder_runs_again(tmp_path):
     assert json.loads((tmp_path / "generations" / "gsm8k.settings.json").read_text())["model"] == "/b/grpo/final [f1]"
     with pytest.raises(Exception, match="made with other settings"):
         check_settings(log, {**settings, "model": "/b/grpo/final [f2]"})
+
+
+def test_compare_reads_runs_against_the_reward_spread_of_reference_runs(tmp_path, capsys):
+    """``compare --reference``: the reward curves of draws of one setting (synchronous GRPO, three seeds) give a new
+    draw's 95% prediction interval, rollout for rollout; a run that learned alike (generating ahead) stays inside,
+    one that did not learn falls out, and both are tabled with their last fifth's mean beside the interval's."""
+    import random
+
+    import yaml
+
+    from eval.metrics import summarize
+    from eval.report import write_reports
+    from pipeline.cli import main
+
+    def run(name, seed, slope):
+        folder = tmp_path / name
+        rng = random.Random(seed)
+        problems = [{"correct": [rng.random() < 0.3 for _ in range(2)], "clusters": [0, 1], "lengths": [10] * 2,
+                     "truncated": [False] * 2} for _ in range(10)]
+        write_reports({"benchmarks": {"gsm8k": summarize(problems)}, "model": f"{folder}/grpo/final [{seed}]"},
+                      folder / "eval")
+        (folder / "grpo").mkdir(parents=True)
+        (folder / "grpo" / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "reward": slope * s + rng.uniform(-0.05, 0.05)}) + "\n" for s in range(1, 41)))
+        (folder / "recipe.yaml").write_text(yaml.safe_dump(
+            {"seed": seed, "grpo": {"prompts_per_batch": 8, "num_generations": 8, "mini_batches": 4}}))
+        return f"{name}={folder}"
+
+    sync = [run(f"sync{s}", s, 0.02) for s in range(3)]
+    out = tmp_path / "cmp"
+    assert main(["compare", *sync, run("ahead", 7, 0.02), run("flat", 8, 0.0), "--out", str(out),
+                 "--reference", "sync0", "sync1", "sync2"]) == 0
+    text = (out / "compare.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()
+            if line.startswith(("| ahead |", "| flat |"))}
+    # 40 steps of 16 rollouts; the band is the three references' range of the trailing mean, point for point
+    assert rows["ahead"][1] == "640" and rows["flat"][1] == "640"
+    inside = {name: int(rows[name][2].split("%")[0]) for name in rows}
+    assert inside["flat"] < 15 and inside["ahead"] >= 80, inside
+    low, high = (float(x) for x in rows["flat"][4].strip(" |").split(" to "))
+    assert float(rows["flat"][3]) < low < float(rows["ahead"][3]) < high  # the last fifth's mean
+    assert (out / "compare.png").stat().st_size > 10_000
+    assert main(["compare", *sync, "--out", str(out), "--reference", "sync0", "nosuch"]) == 2
+    assert "--reference nosuch: no run of that label" in capsys.readouterr().err
+    assert main(["compare", *sync, "--out", str(out), "--reference", "sync0"]) == 2
+    assert "a spread needs two or more runs" in capsys.readouterr().err
+
+
+def test_t_quantiles_and_a_prediction_interval_hold_a_new_draw_95_percent_of_the_time():
+    import random
+
+    from eval.metrics import prediction_interval, t_quantile
+
+    for df, table in ((1, 12.706), (2, 4.303), (3, 3.182), (10, 2.228), (30, 2.042)):
+        assert t_quantile(0.975, df) == pytest.approx(table, abs=1e-3)
+    assert t_quantile(0.975, 10_000) == pytest.approx(1.960, abs=1e-3)
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(4000):  # three draws and a fourth of one normal: inside 95% of the time (the range: half)
+        draws = [rng.gauss(0, 1) for _ in range(3)]
+        low, high = prediction_interval(draws)
+        hits += low <= rng.gauss(0, 1) <= high
+    assert 0.935 < hits / 4000 < 0.965
