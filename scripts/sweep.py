@@ -17,7 +17,8 @@ its name (the second example: both arms, two seeds each, a GPU each). The varian
 sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer than one
 (``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
 the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that a variant alone on its GPU
-times what the recipe alone would. Each
+times what the recipe alone would; ``--gpus 0+1,2+3`` gives each run a group of GPUs (GRPO split into trainers and
+engines, ``ray.num_gpus=2``). Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
 ``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics,
 GRPO's reward and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
@@ -111,6 +112,11 @@ def commands(recipe: str, out: Path, common: list[str], variants: list[Variant],
                             *variant_overrides(common, v, shared), *start] for v in variants}
 
 
+def visible(gpus: str) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a place in ``--gpus``: one GPU (``2``) or a group of them (``2+3``)."""
+    return gpus.replace("+", ",")
+
+
 def least_busy(gpus: list[str], running: list[str]) -> str:
     """The GPU of ``gpus`` that the fewest of ``running`` (each run's GPU) use; the first of those on a tie."""
     return min(gpus, key=running.count)
@@ -136,7 +142,7 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
             own = env
             if gpus:
                 placed[name] = least_busy(gpus, [placed[n] for n in procs])
-                own = {**env, "CUDA_VISIBLE_DEVICES": placed[name]}
+                own = {**env, "CUDA_VISIBLE_DEVICES": visible(placed[name])}
             procs[name] = (subprocess.Popen(runs[name], stdout=log, stderr=subprocess.STDOUT, env=own), log,
                            time.time())
         for name, (proc, log, started) in list(procs.items()):
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="variants running at once (default: all; fewer where their memory would not fit)")
     parser.add_argument("--gpus", type=lambda s: s.split(","), default=None, metavar="0,1,...",
                         help="spread the runs over these GPUs (CUDA_VISIBLE_DEVICES): the shared run on the first, "
-                             "each variant on the least busy")
+                             "each variant on the least busy; 0+1,2+3 gives each run a pair (split placement)")
     args = parser.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]
     names = [v.name for v in variants]
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if first is not None:
         print(f"shared {args.shared}: {' '.join(first[3:])}", flush=True)
         start = time.time()
-        env = {**os.environ, **RUN_ENV, **({"CUDA_VISIBLE_DEVICES": args.gpus[0]} if args.gpus else {})}
+        env = {**os.environ, **RUN_ENV, **({"CUDA_VISIBLE_DEVICES": visible(args.gpus[0])} if args.gpus else {})}
         with (args.out / "shared.log").open("a") as log:
             code = subprocess.run(first, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if code:

@@ -125,6 +125,8 @@ def test_each_variant_runs_on_the_gpu_it_was_given(tmp_path):
     logged = [(tmp_path / f"{name}.log").read_text().strip().splitlines()[-1] for name in runs]  # after its header
     assert logged == [results[name]["gpu"] for name in runs]
     assert sorted(logged) == ["0", "0", "3", "3"]
+    results = _run_all({"a": runs["v0"], "b": runs["v1"]}, tmp_path, 2, gpus=["0+1", "2+3"])  # a pair each
+    assert [(tmp_path / f"{n}.log").read_text().strip().splitlines()[-1] for n in "ab"] == ["0,1", "2,3"]
 
 
 def test_a_parallel_below_one_is_refused_and_logs_are_appended(tmp_path, capsys):
