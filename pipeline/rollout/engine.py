@@ -178,6 +178,12 @@ class Engine:
             self.runner.use(self.cache)
             self.scheduler.use(self.cache, self.max_slots, self.num_blocks, self.block_size)
 
+    def warm_up(self, sequences: int | None = None) -> int:
+        """Captures the decode graphs for up to ``sequences`` at once (default: every slot) before any request,
+        so that a timed generation measures decoding rather than first uses; returns the graphs captured."""
+        self.wake_up()
+        return self.runner.capture_graphs(min(sequences or self.max_slots, self.max_slots))
+
     def step(self) -> list[RequestOutput]:
         """One decode step for running sequences, then admission and one prefill forward (up to
         ``prefill_chunk_size`` prompt tokens). Returns the requests that finished."""

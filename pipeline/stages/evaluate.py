@@ -75,10 +75,13 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
         backend = EngineBackend(engine)
     else:
         backend = HFGenerateBackend(model, tokenizer)
+    # our engine's decode graphs for every batch size it will run, before the timed generation (vLLM captures
+    # its own when it starts)
+    graphs = backend.engine.warm_up() if cfg.backend == "engine" and not served_by_vllm else 0
     # what a model costs before its first token (the per-model overhead of evaluating several), in the run's log
     ready = time.perf_counter() - loaded
-    print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {ready:.1f} s",
-          flush=True)
+    print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {ready:.1f} s"
+          + (f" ({graphs} decode graphs captured)" if graphs else ""), flush=True)
     began = time.perf_counter()
     tokens = generate(model, tokenizer, cfg.benchmarks, cfg.repeats, sampling_of(recipe), out_dir, backend,
                       cfg.limit, instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
