@@ -70,6 +70,12 @@ class EngineStats:
         }
 
 
+def _progress_bar(requests: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=requests, desc="generate", unit="req", dynamic_ncols=True)
+
+
 class Engine:
     """``Engine(model or path, ...)``; ``generate(prompts, SamplingParams(...))`` like vLLM's ``LLM``: the loop and
     the API over a :class:`~pipeline.rollout.scheduler.Scheduler`, a :class:`~pipeline.rollout.model_runner.ModelRunner`
@@ -179,8 +185,7 @@ class Engine:
             self.scheduler.use(self.cache, self.max_slots, self.num_blocks, self.block_size)
 
     def warm_up(self, sequences: int | None = None) -> int:
-        """Captures the decode graphs for up to ``sequences`` at once (default: every slot) before any request,
-        so that a timed generation measures decoding rather than first uses; returns the graphs captured."""
+        """:meth:`ModelRunner.capture_graphs` for up to ``sequences`` at once (default: every slot)."""
         self.wake_up()
         return self.runner.capture_graphs(min(sequences or self.max_slots, self.max_slots))
 
@@ -334,11 +339,7 @@ class Engine:
             self.wake_up()  # a sleeping engine plans its memory before the requests are checked against it
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         results: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        bar = _progress_bar(len(ids)) if use_tqdm else None
         start, tokens0 = time.perf_counter(), self.stats.generated_tokens
         while len(results) < len(ids):
             for out in self.step():
