@@ -79,3 +79,33 @@ def test_runs_that_start_alike_share_one_starting_model_built_as_each_would_buil
         own = load_pretrained(initial_checkpoint(recipe, tmp_path / f"own-{recipe.seed}")).state_dict()
         loaded = load_pretrained(shared.model.path).state_dict()
         assert all(torch.equal(loaded[k], v) for k, v in own.items())
+
+
+def test_a_grpo_batch_is_split_from_its_steps_and_tabled(tmp_path):
+    """The last generation batch (4 optimizer steps, the first of which generated or collected it) of a run that
+    generated ahead, as the 4-H200 run logged it: its wall-clock is its steps' seconds, its rollout the trainer's
+    wait, training the rest; the engines' busy share is its column."""
+    import json
+
+    from benchmarks.pipeline.multi_gpu import batch_split, grpo_table
+
+    def batch(first, rollout, sync, generated, busy=None):
+        head = {"time/step_s": first, "time/rollout_s": rollout, "time/weight_sync_s": sync, "time/reward_s": 0.0,
+                "tokens/generated": generated, "completions/mean_length": generated / 64}
+        return [{**head, **({"engines/busy_fraction": busy} if busy is not None else {})},
+                {"time/step_s": 2.8}, {"time/step_s": 2.9}, {"time/step_s": 2.9}]
+
+    rows = batch(25.8, 17.6, 1.5, 252775) + batch(6.6, 0.06, 0.03, 260690, busy=0.51)
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "grpo" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(rows)) + '{"step": 8}\n')
+    split = batch_split(tmp_path)
+    assert split["batch_s"] == pytest.approx(6.6 + 2.8 + 2.9 + 2.9)
+    assert split["rollout_s"] == 0.06 and split["weight_sync_s"] == 0.03
+    assert split["train_s"] == pytest.approx(split["batch_s"] - 0.09)
+    assert split["generated_per_s"] == pytest.approx(260690 / split["batch_s"]) and split["engines_busy"] == 0.51
+    table = grpo_table([{"name": "ahead", "gpus": 4, "placement": "split", "staleness": "1 partial", "peak_gib": 62.6,
+                         **split}, {"name": "bad", "gpus": 4, "placement": "split", "staleness": "0", "exit": 1,
+                                    "error": "error: out of memory"}])
+    assert "| ahead | 4 | split | 1 partial | 15.2 | 0.1 | 0.03 | 0.00 | 15.1 | 51% | 4,073 | 17,151 | 1.00 | 62.6 |" in table
+    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())

@@ -217,7 +217,8 @@ def same_steps_table(results: list[dict]) -> str:
 
 def batch_split(run_dir: Path) -> dict:
     """The last generation batch of a GRPO run: the seconds of its rollout, weight sync, reward and training (its
-    steps' wall-clock less the others) and its generated tokens over its whole wall-clock."""
+    steps' wall-clock less the others), its generated tokens (every worker's) over its whole wall-clock, and the
+    share of the time since the last sync that the engines generated (logged where engines run apart)."""
     rows = [r for r in read_metrics(run_dir / "grpo" / "metrics.jsonl") if "time/step_s" in r]
     starts = [i for i, r in enumerate(rows) if "tokens/generated" in r]
     if len(starts) < 2:
@@ -229,7 +230,7 @@ def batch_split(run_dir: Path) -> dict:
     generated = batch[0]["tokens/generated"]
     return {"batch_s": wall, **{f"{k}_s": v for k, v in split.items()}, "train_s": wall - sum(split.values()),
             "generated": generated, "mean_length": batch[0].get("completions/mean_length"),
-            "generated_per_s": generated / wall}
+            "generated_per_s": generated / wall, "engines_busy": batch[0].get("engines/busy_fraction")}
 
 
 def bench_grpo(args):
@@ -255,17 +256,19 @@ def bench_grpo(args):
 def grpo_table(results: list[dict]) -> str:
     base = next((r["generated_per_s"] for r in results if r.get("generated_per_s")), None)
     lines = ["| run | GPUs | placement | ahead | batch s | rollout (trainer waits) s | weight sync s | reward s | "
-             "train s | mean length | generated tok/s (whole batch) | x first row | peak GiB |", "| --- " * 13 + "|"]
+             "train s | engines busy | mean length | generated tok/s (whole batch) | x first row | peak GiB |",
+             "| --- " * 14 + "|"]
     for r in results:
         if r.get("generated_per_s"):
+            busy = f"{100 * r['engines_busy']:.0f}%" if r.get("engines_busy") is not None else ""
             lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | {r['staleness']} | {r['batch_s']:.1f} | "
                          f"{r['rollout_s']:.1f} "
-                         f"| {r['weight_sync_s']:.2f} | {r['reward_s']:.2f} | {r['train_s']:.1f} | "
+                         f"| {r['weight_sync_s']:.2f} | {r['reward_s']:.2f} | {r['train_s']:.1f} | {busy} | "
                          f"{r['mean_length'] or 0:,.0f} | {r['generated_per_s']:,.0f} | "
                          f"{r['generated_per_s'] / base:.2f} | {r['peak_gib'] or 0:.1f} |")
         else:
             lines.append(f"| {r['name']} | {r['gpus']} | {r['placement']} | {r['staleness']} | failed (exit "
-                         f"{r['exit']}): {r['error'][:160]} |" + " |" * 8)
+                         f"{r['exit']}): {r['error'][:160]} |" + " |" * 9)
     return "\n".join(lines)
 
 
