@@ -520,12 +520,12 @@ def markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def smoothed(run: Run, name: str = "reward") -> dict[int, float]:
+def smoothed(run: Run, name: str = "reward", per_sample: bool = True) -> dict[int, float]:
     """A run's GRPO curve as the figure draws it (a trailing mean over a tenth of its points), by rollouts trained
-    on so far (by step where its recipe does not say how many a step trains on)."""
+    on so far (by step where its recipe does not say how many a step trains on, or not ``per_sample``)."""
     points = run.curves.get(name, [])
     values = moving_average([v for _, v in points], max(1, len(points) // 10))
-    per_step = run.rollouts_per_step or 1
+    per_step = (run.rollouts_per_step or 1) if per_sample else 1
     return {step * per_step: value for (step, _), value in zip(points, values)}
 
 
@@ -557,9 +557,9 @@ def reward_band(reference: list[Run], runs: list[Run]) -> list[str]:
     return lines
 
 
-def reference_band(reference: list[Run]) -> dict[int, tuple[float, float]]:
+def reference_band(reference: list[Run], per_sample: bool = True) -> dict[int, tuple[float, float]]:
     """The references' 95% prediction interval of the reward's trailing mean, at every point all of them have."""
-    curves = [smoothed(r) for r in reference]
+    curves = [smoothed(r, per_sample=per_sample) for r in reference]
     return {x: prediction_interval([c[x] for c in curves]) for x in sorted(set.intersection(*(set(c) for c in curves)))}
 
 
@@ -601,17 +601,15 @@ def plot(runs: list[Run], path: Path, reference: list[Run] = ()) -> None:
     left.set_title("Accuracy (95% CI)")
     left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     per_sample = bool(reference) and all(run.rollouts_per_step for run in runs)
-    if reference:  # the reference runs' interval, rollout for rollout (reward_band's)
-        band = reference_band(reference)
-        xs = list(band) if per_sample else [x // (reference[0].rollouts_per_step or 1) for x in band]
-        right.fill_between(xs, [lo for lo, _ in band.values()], [hi for _, hi in band.values()], color="0.85",
-                           label="reference runs' reward, 95% prediction interval")
+    if reference:  # the reference runs' interval (reward_band's)
+        band = reference_band(reference, per_sample)
+        right.fill_between(list(band), [lo for lo, _ in band.values()], [hi for _, hi in band.values()],
+                           color="0.85", label="reference runs' reward, 95% prediction interval")
     for run, colour in zip(runs, palette(len(runs))):  # one colour a run: solid reward, dashed accuracy
         for name, style in (("reward", "-"), ("accuracy", "--")):
-            points = smoothed(run, name)
+            points = smoothed(run, name, per_sample)
             if points:
-                xs = list(points) if per_sample else [x // (run.rollouts_per_step or 1) for x in points]
-                right.plot(xs, list(points.values()), style, color=colour, label=f"{run.label}: {name}")
+                right.plot(list(points), list(points.values()), style, color=colour, label=f"{run.label}: {name}")
     right.set_xlabel("rollouts trained on" if per_sample else "GRPO step")
     right.set_title("GRPO reward and accuracy (moving average)")
     if right.lines:

@@ -21,8 +21,8 @@ times what the recipe alone would; ``--gpus 0+1,2+3`` gives each run a group of 
 engines, ``ray.num_gpus=2``). Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
 ``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics,
-GRPO's reward and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval, the share of
-boxed answers and their accuracy alone. Variants that stopped (out of GPU memory with too many side by side, or the
+GRPO's reward and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval,
+the share of boxed answers and their accuracy alone. Variants that stopped (out of GPU memory with too many side by side, or the
 machine gone) run again by the same command with a lower ``--parallel``: every finished stage of every variant is
 skipped (an evaluation scores its model's generations again, generating nothing), and the table covers them all.
 """

@@ -28,7 +28,8 @@ generated tokens over its whole wall-clock (the first batch compiles).
 ``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
 ``--eval-repeats`` samples (default all 30 x 32, the recipe's avg@32: more sequences than one engine runs at once)
 up to ``--new-tokens`` tokens on each GPU count: generated tokens over the slowest worker's generation seconds
-(each worker logs its own; model loading and engine start apart, in the stage's seconds).
+(a line per shard in the stage's log; model loading, engine start and graph capture apart, in the stage's seconds)
+and the sequences each engine ran at once.
 
 Every planned run's recipe and placement is checked before the first one starts, and runs that start alike
 load one starting model the bench built once (``OUT/start-*``) rather than each building its own.
@@ -273,9 +274,9 @@ def grpo_table(results: list[dict]) -> str:
 
 
 def shard_rates(log_text: str) -> dict:
-    """The generation of an evaluation from its workers' lines (``eval: shard k of n: T tokens generated in S s``):
+    """The generation of an evaluation from its shards' lines (``eval: shard k of n: T tokens generated in S s``):
     every shard's tokens over the slowest shard's seconds (the workers generate at once), model loading and
-    engine start left out."""
+    engine start left out, and the mean of the shards' sequences at once."""
     import re
 
     shards, at_once = {}, []

@@ -75,9 +75,10 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
         backend = EngineBackend(engine)
     else:
         backend = HFGenerateBackend(model, tokenizer)
+    ours = cfg.backend == "engine" and not served_by_vllm
     # our engine's decode graphs for every batch size it will run, before the timed generation (vLLM captures
     # its own when it starts)
-    graphs = backend.engine.warm_up() if cfg.backend == "engine" and not served_by_vllm else 0
+    graphs = backend.engine.warm_up() if ours else 0
     # what a model costs before its first token (the per-model overhead of evaluating several), in the run's log
     ready = time.perf_counter() - loaded
     print(f"eval: {checkpoint}: loaded in {loaded - started:.1f} s, engine ready in {ready:.1f} s"
@@ -87,8 +88,8 @@ def generate_shard(recipe: Recipe, location: str, out_dir: str, shard: tuple[int
                       cfg.limit, instruction=recipe.prompt_instruction, shard=shard, model_id=scored,
                       max_prompt_tokens=cfg.max_prompt_length, long_prompts=cfg.long_prompts, progress=_progress())
     rate = {"tokens": tokens, "seconds": time.perf_counter() - began}
-    stats = getattr(getattr(backend, "engine", None), "stats", None)
-    if stats is not None and stats.decode_steps:  # (vLLM's engine keeps no such count)
+    if ours and backend.engine.stats.decode_steps:  # (vLLM's engine keeps no such count)
+        stats = backend.engine.stats
         rate.update(slots=backend.engine.max_slots, in_flight=stats.occupied_slot_steps / stats.decode_steps)
     if store is not None:
         put_files(sorted(generations.glob(mine)) + sorted(generations.glob("*.settings.json")), store)
