@@ -769,3 +769,21 @@ def test_generation_stops_at_every_end_the_checkpoint_names(tokenizer):
     (_, completion), = HFGenerateBackend(model, tokenizer).generate(
         [prompt], SamplingConfig(temperature=0, max_new_tokens=12), [0])
     assert completion.finish_reason == "stop" and completion.num_tokens == tokens.index(end) + 1
+
+
+def test_warm_up_runs_its_dummy_batches_and_leaves_counts_ids_and_seeds_as_they_were(model, tokenizer, monkeypatch):
+    """``Engine.warm_up`` runs a one-token request per batch bucket (on CUDA, to capture their decode graphs; here
+    every bucket is asked of a CPU engine): afterwards its statistics, request ids and unseeded sampling are those
+    of an engine that never warmed up."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    fresh = make_engine(copy.deepcopy(model), tokenizer)
+    warm = make_engine(copy.deepcopy(model), tokenizer)
+    ran = []
+    monkeypatch.setattr(warm.runner, "graph_buckets", lambda batch: [1, 2, 4][:batch.bit_length()])
+    monkeypatch.setattr(warm, "generate", lambda *a, _generate=warm.generate, **k: ran.append(len(a[0])) or
+                        _generate(*a, **k))
+    assert warm.warm_up() == 0 and ran == [1, 2, 4]  # no graphs off CUDA, but every bucket ran
+    assert warm.get_stats() == fresh.get_stats()
+    outs = [e.generate(PROMPTS, params) for e in (fresh, warm)]
+    assert [o.request_id for o in outs[1]] == [o.request_id for o in outs[0]]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]

@@ -20,6 +20,7 @@ over the logits (:mod:`kernels.sampling`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import time
@@ -76,6 +77,18 @@ def _progress_bar(requests: int):
     return tqdm(total=requests, desc="generate", unit="req", dynamic_ncols=True)
 
 
+def _load(path, tokenizer, dtype, device):
+    """``(model, tokenizer, device)`` of a checkpoint directory: a checkpoint loads on the CPU, and is served from
+    the GPU when there is one and no device was asked."""
+    from transformers import AutoTokenizer
+
+    from sse_model.checkpoint import load_pretrained
+
+    model = load_pretrained(path, dtype or torch.float32, require_sse=True)
+    device = device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    return model, tokenizer or AutoTokenizer.from_pretrained(path), device
+
+
 class Engine:
     """``Engine(model or path, ...)``; ``generate(prompts, SamplingParams(...))`` like vLLM's ``LLM``: the loop and
     the API over a :class:`~pipeline.rollout.scheduler.Scheduler`, a :class:`~pipeline.rollout.model_runner.ModelRunner`
@@ -97,14 +110,7 @@ class Engine:
                  overlap=None, residual_dtype=None, refill_fraction: float = DEFAULTS.refill_fraction, seed: int = 0,
                  kv_cache_dtype: str = DEFAULTS.kv_cache_dtype):
         if isinstance(model, (str, Path)):
-            from transformers import AutoTokenizer
-
-            from sse_model.checkpoint import load_pretrained
-
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-            model = load_pretrained(model, dtype or torch.float32, require_sse=True)
-            if device is None:  # a checkpoint loads on the CPU: serve it from the GPU when there is one
-                device = "cuda" if torch.cuda.is_available() else "cpu"
+            model, tokenizer, device = _load(model, tokenizer, dtype, device)
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.runner = ModelRunner(model, device, dtype, residual_dtype, use_cuda_graphs)
         self.scheduler = Scheduler(refill_fraction)
@@ -128,10 +134,8 @@ class Engine:
         return self.runner.model
 
     def _plan(self) -> None:
-        """Sizes the slots and KV blocks (:func:`~pipeline.rollout.cache.plan_slots`). Without a ``memory_budget``
-        the budget is 90% of the memory free at this moment, so an engine that sleeps beside a trainer plans again
-        at each wake from what the trainer leaves (its weights and optimizer states, which it does not hold when
-        the engine starts)."""
+        """Sizes the slots and KV blocks (:func:`~pipeline.rollout.cache.plan_slots`); without a ``memory_budget``,
+        from 90% of the memory free now: a colocated engine plans at each wake from what the trainer leaves."""
         memory_budget, max_slots, num_blocks = self._asked
         self.memory_budget = memory_budget if memory_budget is not None else \
             cache_module.default_memory_budget(self.device)
@@ -185,9 +189,16 @@ class Engine:
             self.scheduler.use(self.cache, self.max_slots, self.num_blocks, self.block_size)
 
     def warm_up(self, sequences: int | None = None) -> int:
-        """:meth:`ModelRunner.capture_graphs` for up to ``sequences`` at once (default: every slot)."""
-        self.wake_up()
-        return self.runner.capture_graphs(min(sequences or self.max_slots, self.max_slots))
+        """A one-token request per decode batch bucket up to ``sequences`` at once (default: every slot), to its
+        first decode step, as vLLM runs dummy batches at start: each bucket's graph is captured (Triton's kernels
+        tuned) before any timed request, after a prefill as a request captures it (one captured before its cache's
+        first prefill decoded differently, on an H200). Counts, ids and seeds stay. Returns the graphs captured."""
+        captured, stats, next_id = self.runner.num_graphs, copy.copy(self.stats), self._next_id
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
+        for size in self.runner.graph_buckets(min(sequences or self.max_slots, self.max_slots)):
+            self.generate([[0]] * size, params)
+        self.stats, self._next_id = stats, next_id
+        return self.runner.num_graphs - captured
 
     def step(self) -> list[RequestOutput]:
         """One decode step for running sequences, then admission and one prefill forward (up to

@@ -146,18 +146,16 @@ class ModelRunner:
         graph.replay()
         return static_logits[:B]
 
-    def capture_graphs(self, batch: int) -> int:
-        """Captures now the decode graphs of every batch bucket up to ``batch`` sequences (as vLLM captures at
-        start), so that generation after it runs at its steady rate: capturing, and Triton autotuning each new
-        shape, otherwise fall on the first step of each bucket. Returns how many it captured: none without CUDA
-        graphs, or where a step's graph depends on the sequences' lengths (KV gathered, not read in place)."""
+    def graph_buckets(self, batch: int) -> list[int]:
+        """The batch buckets of decode graphs up to ``batch`` sequences at once: none without CUDA graphs, or
+        where a step's graph depends on the sequences' lengths (KV gathered, not read in place)."""
         if not self.use_cuda_graphs or self.cache is None or not self.cache.decode_in_place or batch < 1:
-            return 0
-        sizes = sorted({min(2 ** i, self.scratch_slot) for i in range(_power_of_two(batch).bit_length())})
-        new = [size for size in sizes if (size, 0) not in self._graphs]
-        for size in new:
-            self._capture(size, 0)
-        return len(new)
+            return []
+        return sorted({min(2 ** i, self.scratch_slot) for i in range(_power_of_two(batch).bit_length())})
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
 
     def _capture(self, size: int, view_blocks: int) -> None:
         static_ids = torch.zeros(size, dtype=torch.long, device=self.device)
