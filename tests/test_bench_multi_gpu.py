@@ -11,6 +11,7 @@ from benchmarks.pipeline.multi_gpu import (bench_distill, bench_eval, bench_grpo
     ["distill", "--gpus", "1", "2", "4", "--sharding", "ddp", "fsdp"],
     ["same-steps", "--gpus", "1", "2"],
     ["grpo", "--gpus", "1", "2", "4", "--staleness", "0", "1", "--partial"],
+    ["grpo", "--gpus", "4", "--placement", "split", "--staleness", "1", "--partial", "--trainer-gpus", "1", "2"],
     ["grpo", "--gpus", "2", "--staleness", "0", "1", "--new-tokens", "2048"],  # under the recipe's overlong window
     ["grpo", "--gpus", "2", "--new-tokens", "1024", "--placement", "split"],
     ["eval", "--gpus", "1", "2", "4"],
@@ -22,6 +23,22 @@ def test_every_planned_run_resolves_before_any_starts(argv, tmp_path):
     stage, recipe, plans, _ = bench(args)
     assert plans
     check_plans(args, stage, recipe, plans)
+
+
+def test_split_rows_take_the_trainer_gpus_asked_and_generating_ahead_takes_partial_rollouts(tmp_path, capsys):
+    args = parse_args(["grpo", "--gpus", "1", "4", "--staleness", "0", "1", "--partial", "--trainer-gpus", "1", "2",
+                       "3", "--out", str(tmp_path)])
+    _, _, plans, _ = bench_grpo(args)
+    assert [name for name, *_ in plans] == [
+        "grpo-sse-h-2b-colocated-1gpu", "grpo-sse-h-2b-colocated-4gpu", "grpo-sse-h-2b-split1+3-4gpu",
+        "grpo-sse-h-2b-split2+2-4gpu", "grpo-sse-h-2b-split1+3-4gpu-ahead1-partial",
+        "grpo-sse-h-2b-split2+2-4gpu-ahead1-partial"]
+    assert "3 trainer GPUs leave 1" in capsys.readouterr().out
+    overrides = dict(o.split("=", 1) for o in plans[-1][2])
+    assert (overrides["grpo.num_workers"], overrides["grpo.num_engines"], overrides["grpo.partial_rollouts"],
+            overrides["grpo.max_staleness"]) == ("2", "1", "true", "1")
+    assert plans[-1][3] == {"placement": "split 2+2", "staleness": "1 partial"}
+    assert dict(o.split("=", 1) for o in plans[2][2])["grpo.partial_rollouts"] == "false"
 
 
 def test_a_run_that_cannot_resolve_stops_the_bench_naming_it(tmp_path):

@@ -21,8 +21,9 @@ difference.
 weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most (the overlong penalty's
 window an eighth of that, as the recipe's 4,096 of 32,768), for each GPU count and placement (``colocated``: a
 trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of their own) and
-``--staleness`` (1: the engines generate the next batch while the trainers train, split only; ``--partial`` adds
-that with partial rollouts); the second batch's time split (rollout, weight sync, reward, training) and its
+``--staleness`` (1: the engines generate the next batch while the trainers train, split only; with ``--partial``
+they push the new weights into running sequences); ``--trainer-gpus`` splits the GPUs other than the placement's
+quarter; the second batch's time split (rollout, weight sync, reward, training) and its
 generated tokens over its whole wall-clock (the first batch compiles).
 
 ``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
@@ -236,22 +237,39 @@ def batch_split(run_dir: Path) -> dict:
 
 def bench_grpo(args):
     plans = []
-    modes = [(s, False) for s in args.staleness] + [(1, True)] * args.partial  # (staleness, partial rollouts)
-    for staleness, partial in modes:
+    for staleness in args.staleness:
+        partial = bool(staleness) and args.partial
         for placement in args.placement:
             for gpus in args.gpus:
                 if placement == "split" and gpus < 2 or staleness and placement == "colocated":
                     continue  # (generating ahead needs engines of their own)
-                name = f"grpo-{args.preset}-{placement}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "") + \
-                    ("-partial" if partial else "")
-                overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
-                             f"grpo.max_completion_length={args.new_tokens}",
-                             f"grpo.rewards.overlong_cache={args.new_tokens // 8}", f"grpo.placement={placement}",
-                             f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
-                             "grpo.save_steps=100"]
-                plans.append((name, gpus, overrides,
-                              {"placement": placement, "staleness": f"{staleness}{' partial' if partial else ''}"}))
+                for trainers in (args.trainer_gpus or [None]) if placement == "split" else [None]:
+                    split = split_overrides(gpus, trainers)
+                    if split is None:
+                        print(f"grpo: {trainers} trainer GPUs leave {gpus - trainers} that do not divide into "
+                              f"engines for each; no such row on {gpus} GPUs")
+                        continue
+                    layout = placement if trainers is None else f"split{trainers}+{gpus - trainers}"
+                    name = f"grpo-{args.preset}-{layout}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "") + \
+                        ("-partial" if partial else "")
+                    overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
+                                 f"grpo.max_completion_length={args.new_tokens}",
+                                 f"grpo.rewards.overlong_cache={args.new_tokens // 8}", f"grpo.placement={placement}",
+                                 f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
+                                 "grpo.save_steps=100", *split]
+                    plans.append((name, gpus, overrides, {"placement": layout.replace("split", "split "),
+                                                          "staleness": f"{staleness}{' partial' if partial else ''}"}))
     return "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder)
+
+
+def split_overrides(gpus: int, trainers: int | None) -> list[str] | None:
+    """The overrides that give a split layout ``trainers`` trainer GPUs of ``gpus``, each trainer worker with an
+    equal share of the rest as its engines (none: the placement's own split); None where they do not divide."""
+    if trainers is None:
+        return []
+    if not 0 < trainers < gpus or (gpus - trainers) % trainers:
+        return None
+    return [f"grpo.num_workers={trainers}", f"grpo.num_engines={(gpus - trainers) // trainers}"]
 
 
 def grpo_table(results: list[dict]) -> str:
@@ -327,7 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0], choices=(0, 1),
                         help="grpo: grpo.max_staleness values (1: the engines generate a batch ahead; split only)")
     parser.add_argument("--partial", action="store_true",
-                        help="grpo: also generating ahead with partial rollouts (weights into running sequences)")
+                        help="grpo: generating ahead with partial rollouts (the weights pushed into running sequences)")
+    parser.add_argument("--trainer-gpus", type=int, nargs="+",
+                        help="grpo: split rows with these many trainer GPUs each (default: the placement's quarter)")
     parser.add_argument("--new-tokens", type=int, default=4096, help="grpo, eval: tokens a completion may take")
     parser.add_argument("--eval-limit", type=int, default=30, help="eval: AIME24 problems (30: all of them)")
     parser.add_argument("--eval-repeats", type=int, default=32, help="eval: samples a problem (32: avg@32)")
