@@ -787,3 +787,6 @@ def test_warm_up_runs_its_dummy_batches_and_leaves_counts_ids_and_seeds_as_they_
     outs = [e.generate(PROMPTS, params) for e in (fresh, warm)]
     assert [o.request_id for o in outs[1]] == [o.request_id for o in outs[0]]
     assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+    warm.add_request(PROMPTS[0], params)
+    with pytest.raises(RuntimeError, match="in flight"):
+        warm.warm_up()

@@ -193,6 +193,8 @@ class Engine:
         first decode step, as vLLM runs dummy batches at start: each bucket's graph is captured (Triton's kernels
         tuned) before any timed request, after a prefill as a request captures it (one captured before its cache's
         first prefill decoded differently, on an H200). Counts, ids and seeds stay. Returns the graphs captured."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up while requests are in flight: before the first request")
         captured, stats, next_id = self.runner.num_graphs, copy.copy(self.stats), self._next_id
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
         for size in self.runner.graph_buckets(min(sequences or self.max_slots, self.max_slots)):
