@@ -261,6 +261,10 @@ class GRPOStageConfig:
     # engine -> trainer correction per token: truncated (TIS, ratio capped) or masked (MIS, outside [1/cap, cap])
     importance_sampling: str = bounded("token_truncate", choices=("none", "token_truncate", "token_mask"))
     importance_sampling_cap: float = bounded(2.0, gt=1)
+    # the PPO ratio's old policy: trainer, the trainer's log-probs of the sampled tokens (a no-grad pass over each
+    # generation batch; importance_sampling then corrects for the engine); engine, the engine's own log-probs of them
+    # (verl's bypass mode: no pass, and the clip bounds pi / pi_engine; needs importance_sampling: none, top_p: 1)
+    old_logprobs: str = bounded("trainer", choices=("trainer", "engine"))
     # log-prob and loss passes on packed rows of real tokens, at most max_tokens_per_microbatch per forward
     # (default: the padded micro-batch's size); padding_free: false is TRL's padded pass
     padding_free: bool = True
@@ -306,6 +310,12 @@ class GRPOStageConfig:
         if self.partial_rollouts and (not self.max_staleness or self.engine.backend != "sse"):
             fail("grpo.partial_rollouts", "continues sequences under new weights while it generates ahead: it needs "
                  "grpo.max_staleness: 1 and grpo.engine.backend: sse")
+        if self.old_logprobs == "engine" and self.importance_sampling != "none":
+            fail("grpo.old_logprobs", "engine divides by the engine's log-probs already; importance_sampling would "
+                 "correct for the engine a second time: set grpo.importance_sampling: none")
+        if self.old_logprobs == "engine" and self.top_p < 1:
+            fail("grpo.old_logprobs", f"engine needs grpo.top_p: 1 (got {self.top_p}): under top-p the engine's "
+                 "log-probs are of the truncated distribution, not of the policy")
         if self.max_staleness and self.dynamic_sampling:
             fail("grpo.max_staleness", "dynamic sampling's extra rounds generate inside a step, behind the batch "
                  "generated ahead; set grpo.dynamic_sampling: false")

@@ -314,3 +314,42 @@ def test_off_policy_share_counts_each_token_by_the_weights_that_made_it():
             RequestOutput("1", None, [1], [CompletionOutput(0, "", [7] * 20, None, "length")])]  # all from version 4
     assert off_policy_share(outs, started=4, current=5) == (3 + 20) / 40
     assert off_policy_share(outs, started=4, current=4) == 0.0
+
+
+def test_old_logprobs_from_the_engine_skip_the_trainers_pass_and_bound_the_ratio_to_the_engine(tmp_path, monkeypatch):
+    """grpo.old_logprobs=engine (verl's bypass mode): a generation batch of two mini-batches, which TRL answers with a
+    no-grad pass for the old policy's log-probs, runs no trainer pass; the PPO ratio then divides by the engine's
+    log-probs (-1 a token here, far above the tiny model's), so the clip acts from the batch's first step. The
+    trainer's way runs the pass, and its first step's ratio is 1."""
+    import pipeline.stages.grpo as grpo
+
+    passes = []
+    real = grpo.packed_logps
+    monkeypatch.setattr(grpo, "packed_logps", lambda *a, **k: passes.append(torch.is_grad_enabled()) or real(*a, **k))
+    right, wrong = "So \\boxed{2}", "So \\boxed{9}"
+    clipped = {}
+    for mode in ("engine", "trainer"):
+        trainer, inputs = grpo_trainer(tmp_path / mode, [[right] * 4 + [wrong] * 4], [
+            "grpo.rewards.format=0.0", "grpo.importance_sampling=none", "grpo.dynamic_sampling=false",
+            f"grpo.old_logprobs={mode}", "grpo.mini_batches=2"], prompts=2)
+        trainer.model.train()
+        passes.clear()
+        batch = trainer._generate_and_score_completions(inputs)
+        assert passes == ([] if mode == "engine" else [False])  # the no-grad pass over the generation batch
+        real_tokens = batch["completion_mask"].bool()
+        if mode == "engine":
+            assert (batch["old_per_token_logps"][real_tokens] == -1.0).all()
+        trainer.current_gradient_accumulation_steps = 1  # (the training loop sets it)
+        trainer.compute_loss(trainer.model, batch)
+        clipped[mode] = trainer._metrics["train"]["clip_ratio/region_mean"][-1]
+    assert clipped["engine"] > 0.1 and clipped["trainer"] == 0
+
+
+def test_old_logprobs_from_the_engine_refuse_a_second_correction_and_top_p():
+    from pipeline.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="grpo.old_logprobs: .*grpo.importance_sampling: none"):
+        load_recipe("demo", ["grpo.old_logprobs=engine"])
+    with pytest.raises(RecipeError, match="grpo.old_logprobs: .*top_p: 1"):
+        load_recipe("demo", ["grpo.old_logprobs=engine", "grpo.importance_sampling=none", "grpo.top_p=0.9"])
+    load_recipe("demo", ["grpo.old_logprobs=engine", "grpo.importance_sampling=none"])

@@ -9,6 +9,8 @@
 - the engines return the log-probability of every sampled token and each token's advantage is weighted by
   ``pi_trainer / pi_engine``, truncated (TIS) or masked (MIS) at ``importance_sampling_cap``: the engine runs
   other kernels and bf16 weights, so it samples from a slightly different policy than the one trained;
+  or, with ``old_logprobs: engine`` (verl's bypass mode), the engine's log-probs are the PPO ratio's old policy:
+  no trainer pass over the batch before its first step, and the clip bounds ``pi / pi_engine`` directly;
 - the log-prob and loss passes are padding-free (``padding_free``): the rows' real tokens are packed into forwards
   of at most ``max_tokens_per_microbatch`` tokens, the SSE layers reset at each row and attention stays per row;
 - the SSE partition-balance loss is added to the policy loss (:mod:`pipeline.balance`) and logged;
@@ -191,6 +193,8 @@ class SSEGRPOConfig(GRPOConfig):
         "help": "Generation batches the engines generate ahead of the trainer (0 or 1)."})
     partial_rollouts: bool = field(default=False, metadata={
         "help": "Generating ahead, push the weights while sequences run; they continue under them."})
+    old_logprobs: str = field(default="trainer", metadata={
+        "help": "The PPO ratio's old policy: trainer (a no-grad pass) or engine (its sampling log-probs)."})
 
 
 class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
@@ -205,6 +209,7 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         self.fleet = fleet
         self.timer = timer or Timer()
         self.sampling_round = 0  # each round of dynamic sampling samples with its own seeds
+        self._engine_logps_are_old = False  # set while a batch is generated with old_logprobs: engine
         self._synced_step: int | None = None
         self.accuracy_reward = next((f for f in self.reward_funcs if getattr(f, "__name__", "") == "accuracy"), None)
         # asynchronous GRPO: the generations submitted ahead, by generation batch, and the one being scored
@@ -327,10 +332,16 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
             inputs = self._collect_ahead()  # TRL's sampler's draw is not used: the engines started before it came
         else:
             self.sync_weights()
-        batch = super()._generate_and_score_completions(inputs)
-        if self.args.dynamic_sampling and self.model.training:
-            batch = self._dynamic_sampling(inputs, batch)
-        if self.args.importance_sampling != "none":
+        self._engine_logps_are_old = self.args.old_logprobs == "engine"
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+            if self.args.dynamic_sampling and self.model.training:
+                batch = self._dynamic_sampling(inputs, batch)
+        finally:
+            self._engine_logps_are_old = False
+        if self.args.old_logprobs == "engine":
+            batch["old_per_token_logps"] = batch["sampling_per_token_logps"]
+        elif self.args.importance_sampling != "none":
             batch = self._correct_for_the_engine(batch)
         return batch
 
@@ -363,7 +374,10 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's per-token log-probs (and entropies) ``[rows, logits_to_keep]``, computed padding-free: the rows'
-        real tokens packed into forwards of at most ``max_tokens_per_microbatch`` tokens (:mod:`pipeline.packing`)."""
+        real tokens packed into forwards of at most ``max_tokens_per_microbatch`` tokens (:mod:`pipeline.packing`).
+        With ``old_logprobs: engine`` TRL's no-grad pass for the old policy is skipped (None): the engine's stand in."""
+        if self._engine_logps_are_old and model is self.model and not torch.is_grad_enabled():
+            return None, None, None
         if not self.args.padding_free or compute_aux_loss or any(v is not None for v in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
