@@ -309,5 +309,6 @@ def engine_options(recipe, engine_config, max_model_len: int) -> dict:
                 prefill_chunk_size=engine_config.prefill_chunk_size, block_size=engine_config.block_size,
                 use_cuda_graphs=engine_config.use_cuda_graphs, overlap=engine_config.overlap,
                 refill_fraction=engine_config.refill_fraction, kv_cache_dtype=engine_config.kv_cache_dtype,
+                state_cache_dtype=engine_config.state_cache_dtype,
                 dtype=DTYPES[engine_config.dtype or recipe.model.dtype],
                 residual_dtype=DTYPES.get(engine_config.residual_dtype), seed=recipe.seed)

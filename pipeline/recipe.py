@@ -214,6 +214,9 @@ class EngineConfig(EngineOptions):
         if self.residual_dtype is not None and self.backend != "sse":
             fail(f"{stage}.engine.residual_dtype", f"is an option of this package's engine (backend: sse); "
                  f"{self.backend} runs the model its own way")
+        if self.state_cache_dtype != "float32" and self.backend != "sse":
+            fail(f"{stage}.engine.state_cache_dtype", f"is an option of this package's engine (backend: sse); "
+                 f"{self.backend} keeps the states in float32")
 
 
 @dataclass
@@ -411,8 +414,9 @@ STAGE_SETTINGS = {
 # another number of workers or a GPU of another size (the same steps; GRPO's samples are seeded per worker, each
 # request's draws by its own seed, pipeline/rollout/sampling.py, whatever else runs beside it), and a model added to
 # eval.models is evaluated beside the ones scored already (each model's generations in a folder of its own)
-# (the KV cache's dtype changes what the engine computes: part of the experiment, not of where it runs)
-ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions) if f.name != "kv_cache_dtype"), "sleep")
+# (the KV cache's and the states' dtypes change what the engine computes: part of the experiment, not of where it runs)
+ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions)
+                     if f.name not in ("kv_cache_dtype", "state_cache_dtype")), "sleep")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
                "grpo.num_workers", "grpo.num_engines", "grpo.micro_batch_size", "distill.num_workers",
                "distill.micro_batch_size", "align.micro_batch_size", "eval.models", "eval.num_workers",

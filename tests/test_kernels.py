@@ -73,6 +73,28 @@ def test_sse_decode_kernel_matches_reference(case, dtype):
     assert_close(again.float().cpu(), expected, torch.bfloat16, "output in bf16")
 
 
+@pytest.mark.parametrize("case", CASES[:1] + CASES[4:5], ids=lambda c: "-".join(map(str, c)))
+def test_sse_decode_kernel_on_a_bf16_state_pool(case):
+    """``engine.state_cache_dtype: bfloat16``: the kernel reads the bf16 states into float32, updates them there
+    and stores them rounded to bf16: the float32 reference's step from the same states, rounded once."""
+    transition, target, l2, wg, rg, N, Kw, Kr, K, V = case
+    B, H, rows = 3, 2, 5
+    opts = SSEOptions(transition=transition, write_gate=wg, read_gate=rg, gate_target=target, qk_l2norm=l2)
+    shared, sparse = branch(B, H, K, transition, torch.float32), branch(B, H, K, transition, torch.float32)
+    v = torch.randn(B, H, V)
+    r = route(torch.randn(B, N), Kw, Kr)
+    pool = torch.randn(rows, 1 + N, H, K, V).to(torch.bfloat16)
+    slots = torch.tensor([3, 0, 4])
+    expected_pool = pool.float()
+    expected = sse_decode_step(expected_pool, slots, shared, sparse, v, r, opts)
+    got_pool = pool.clone().to(DEVICE)
+    got = decode.sse_decode_triton(got_pool, slots.to(DEVICE), to(shared, DEVICE), to(sparse, DEVICE), v.to(DEVICE),
+                                   type(r)(r.probs.to(DEVICE), r.topk.to(DEVICE), Kw, Kr), opts)
+    assert got_pool.dtype == torch.bfloat16
+    assert_close(got.cpu(), expected, torch.float32, "output (from the same bf16 states, in float32)")
+    assert_close(got_pool.cpu().float(), expected_pool.to(torch.bfloat16).float(), torch.bfloat16, "state pool")
+
+
 @pytest.mark.parametrize("transition,l2", [("gla", False), ("gdn", False), ("gdn", True)])
 def test_linear_decode_kernel_matches_reference(transition, l2):
     B, H, K, V, rows = 2, 3, 16, 24, 4

@@ -322,12 +322,16 @@ def test_auto_weight_sync_takes_the_fastest_way_the_placement_serves():
     assert method("paper-2b", ["grpo.placement=split", "grpo.weight_sync=object_store"], 4) == "object_store"
 
 
-def test_a_residual_dtype_for_vllm_is_refused():
-    """``engine.residual_dtype`` is our engine's option; vLLM would take it and run as before without a word."""
+def test_a_residual_dtype_or_bf16_states_for_vllm_are_refused():
+    """``engine.residual_dtype`` and ``engine.state_cache_dtype`` are our engine's options; vLLM would take them and
+    run as before without a word."""
     for stage in ("grpo", "eval"):
         with pytest.raises(RecipeError, match=f"demo.yaml.*{stage}.engine.residual_dtype.*backend: sse"):
             load_recipe("demo", [f"{stage}.engine.backend=vllm", f"{stage}.engine.residual_dtype=float32"])
+        with pytest.raises(RecipeError, match=f"demo.yaml.*{stage}.engine.state_cache_dtype.*backend: sse"):
+            load_recipe("demo", [f"{stage}.engine.backend=vllm", f"{stage}.engine.state_cache_dtype=bfloat16"])
     assert load_recipe("demo", ["eval.engine.residual_dtype=float32"]).eval.engine.residual_dtype == "float32"
+    assert load_recipe("demo", ["grpo.engine.state_cache_dtype=bfloat16"]).grpo.engine.state_cache_dtype == "bfloat16"
 
 
 def test_one_run_per_output_folder(tmp_path):

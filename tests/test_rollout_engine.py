@@ -396,6 +396,35 @@ def test_fp8_kv_cache_keeps_the_softmax_layers_keys_in_float8_close_to_the_wide_
         make_engine(model, tokenizer, kv_cache_dtype="int8")
 
 
+def test_bf16_states_halve_the_state_pools_and_follow_the_float32_engine(model, tokenizer):
+    """state_cache_dtype="bfloat16": every recurrent-state pool in bf16 (the short-convolution caches stay in the
+    engine's dtype), a slot's state bytes halved in the memory plan, forked samples and greedy generation close to
+    the float32-state engine's (log-probs within bf16's rounding of the states, not equal: the bf16 is used)."""
+    from pipeline.rollout.cache import SlotCache
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True)
+    prompt = "A long question about numbers: " * 2
+    wide_engine = make_engine(model, tokenizer)
+    engine = make_engine(model, tokenizer, state_cache_dtype="bfloat16")
+    assert {p.dtype for p in engine.cache.linear.values()} == {torch.bfloat16}
+    assert {p.dtype for p in wide_engine.cache.linear.values()} == {torch.float32}
+    recurrent = sum(p[0].numel() for p in engine.cache.linear.values())
+    assert wide_engine.per_slot_bytes - engine.per_slot_bytes == 2 * recurrent
+    assert SlotCache.state_bytes(model.config, 96, torch.float32, torch.bfloat16) < \
+        SlotCache.state_bytes(model.config, 96, torch.float32, torch.float32)
+    wide, narrow = (e.generate(prompt, params)[0].outputs[0] for e in (wide_engine, engine))
+    same = next((i for i, (a, b) in enumerate(zip(wide.token_ids, narrow.token_ids)) if a != b), 24)
+    assert same >= 8, (wide.token_ids, narrow.token_ids)
+    gap = (torch.tensor(wide.logprobs[:same]) - torch.tensor(narrow.logprobs[:same])).abs()
+    assert 0 < gap.max() < 0.1
+    forked = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=5, ignore_eos=True))
+    alone = [engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=5 + i, ignore_eos=True))
+             [0].outputs[0].token_ids for i in range(3)]
+    assert [c.token_ids for c in forked[0].outputs] == alone
+    with pytest.raises(ValueError, match="state_cache_dtype must be one of float32, bfloat16"):
+        make_engine(model, tokenizer, state_cache_dtype="float16")
+
+
 def test_weights_loaded_in_flight_continue_the_sequence_from_its_states(model, tokenizer):
     """Partial rollouts: weights loaded while a sequence runs (``in_flight``) take over from the states and KV the
     old weights computed, nothing recomputed: the tokens after the switch are the new model's greedy decoding on top

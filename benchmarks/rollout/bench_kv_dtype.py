@@ -1,13 +1,15 @@
-"""The softmax layers' KV cache in bf16 against float8 e4m3 (``engine.kv_cache_dtype: fp8``): the engine's decode
-step at long contexts, against its memory roofline, and whole generations' tokens/s.
+"""The softmax layers' KV cache in bf16 against float8 e4m3 (``engine.kv_cache_dtype: fp8``), and the SSE layers'
+states in float32 against bf16 (``engine.state_cache_dtype: bfloat16``): the engine's decode step at long contexts,
+against its memory roofline, and whole generations' tokens/s.
 
     python -m benchmarks.rollout.bench_kv_dtype                                  # sse-h-2b, 64 sequences at 16k and 32k
     python -m benchmarks.rollout.bench_kv_dtype --batch 32 --contexts 4096 --generate 8192
+    python -m benchmarks.rollout.bench_kv_dtype --state-dtypes float32 bfloat16 --contexts 4096 32768
 
 Decode step: ``--batch`` sequences each holding ``--contexts`` tokens (their KV blocks taken, lengths set; what a
 step reads does not depend on the values), the engine's step as it runs (CUDA graph, paged attention), timed over
-20 steps; the roofline is the bytes it must read (every weight, each SSE layer's states read and written in
-float32, each attention layer's keys and values at the KV dtype's width) over the copy bandwidth. Generation:
+20 steps; the roofline is the bytes it must read (every weight, each SSE layer's states read and written at the
+states' width, each attention layer's keys and values at the KV dtype's width) over the copy bandwidth. Generation:
 ``--generate-prompts`` prompts of 512 tokens x 8 samples, ``--generate`` new tokens each (EOS ignored), random
 weights. The log-prob gap each dtype leaves against the trainer: ``bench_numerics --kv-cache-dtype``.
 """
@@ -25,6 +27,7 @@ from pipeline.rollout.engine import Engine
 from pipeline.rollout.sampling import SamplingParams
 
 KV_BYTES = {"auto": 2, "fp8": 1}
+STATE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def generate_rate(engine: Engine, prompts: int, new_tokens: int) -> float:
@@ -44,6 +47,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--generate", type=int, default=8192, help="new tokens a sample (0: no generation)")
     parser.add_argument("--generate-prompts", type=int, default=4)
+    parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_BYTES), choices=list(KV_BYTES))
+    parser.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=list(STATE_BYTES))
     args = parser.parse_args()
     import kernels
 
@@ -51,33 +56,36 @@ def main() -> None:
     model = build(args.preset)
     bandwidth = copy_bandwidth()
     rows, rates = [], {}
-    for kv in KV_BYTES:
-        longest = max(args.contexts) + 1
-        engine = Engine(model, None, max_slots=args.batch, max_model_len=max(longest, 512 + args.generate),
-                        kv_cache_dtype=kv)
-        for context in args.contexts:
-            ms = decode_step_ms(engine, args.batch, context)
-            parts = decode_step_bytes(model, args.batch, context)
-            total = parts["weights"] + parts["states"] + parts["KV"] * KV_BYTES[kv] // 2
-            rows.append((kv, context, ms, total / bandwidth * 1e3, total))
-            print(f"KV {kv}, context {context}: {ms:.2f} ms", flush=True)
-        if args.generate:
-            rates[kv] = generate_rate(engine, args.generate_prompts, args.generate)
-            print(f"KV {kv}: generation {rates[kv]:,.0f} tok/s", flush=True)
-        del engine
-        torch.cuda.empty_cache()
-    base = {context: ms for kv, context, ms, *_ in rows if kv == "auto"}
+    for kv in args.kv_dtypes:
+        for state in args.state_dtypes:
+            cache = f"KV {kv}, states {state}"
+            longest = max(args.contexts) + 1
+            engine = Engine(model, None, max_slots=args.batch, max_model_len=max(longest, 512 + args.generate),
+                            kv_cache_dtype=kv, state_cache_dtype=state)
+            for context in args.contexts:
+                ms = decode_step_ms(engine, args.batch, context)
+                parts = decode_step_bytes(model, args.batch, context)
+                total = (parts["weights"] + parts["states"] * STATE_BYTES[state] // 4
+                         + parts["KV"] * KV_BYTES[kv] // 2)
+                rows.append((cache, context, ms, total / bandwidth * 1e3, total))
+                print(f"{cache}, context {context}: {ms:.2f} ms", flush=True)
+            if args.generate:
+                rates[cache] = generate_rate(engine, args.generate_prompts, args.generate)
+                print(f"{cache}: generation {rates[cache]:,.0f} tok/s", flush=True)
+            del engine
+            torch.cuda.empty_cache()
+    first = rows[0][0]
+    base = {context: ms for cache, context, ms, *_ in rows if cache == first}
     print(f"\n{args.preset}, {torch.cuda.get_device_name()}, decode step of {args.batch} sequences "
           f"(copy bandwidth {bandwidth / 1e12:.2f} TB/s)\n")
-    print("| KV cache | context | step ms | x bf16 KV's speed | roofline ms | x roofline | bytes read (GB) |")
+    print(f"| caches | context | step ms | x {first}'s speed | roofline ms | x roofline | bytes read (GB) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for kv, context, ms, roof, total in rows:
-        print(f"| {kv} | {context} | {ms:.2f} | {base[context] / ms:.2f} | {roof:.2f} | {ms / roof:.2f} | "
+    for cache, context, ms, roof, total in rows:
+        print(f"| {cache} | {context} | {ms:.2f} | {base[context] / ms:.2f} | {roof:.2f} | {ms / roof:.2f} | "
               f"{total / 1e9:.1f} |")
     if rates:
         print(f"\nGeneration, {args.generate_prompts} x 8 samples of {args.generate} tokens: "
-              + ", ".join(f"KV {kv} {rate:,.0f} tok/s" for kv, rate in rates.items())
-              + f" ({rates['fp8'] / rates['auto']:.2f}x)")
+              + ", ".join(f"{cache} {rate:,.0f} tok/s ({rate / rates[first]:.2f}x)" for cache, rate in rates.items()))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--routing", action="store_true", help="also where engine and trainer route tokens apart")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the engine's KV cache of the softmax layers (fp8: float8 e4m3)")
+    parser.add_argument("--state-cache-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engine's recurrent states of the SSE layers")
     args = parser.parse_args()
     from sse_model import SSEConfig, SSEForCausalLM
 
@@ -135,11 +137,13 @@ def main() -> None:
         engine_model = copy.deepcopy(trainer_model).to(getattr(torch, args.engine_dtype))
         engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
                         prefill_chunk_size=8192, use_cuda_graphs=False, kv_cache_dtype=args.kv_cache_dtype,
+                        state_cache_dtype=args.state_cache_dtype,
                         residual_dtype=torch.float32 if residual == "float32" else None)
         rows += [{"residual": residual, **measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i,
                                                   args.routing)} for i, p in enumerate(args.positions)]
         del engine, engine_model
-    print(f"\n{args.preset}: engine {args.engine_dtype} (KV cache {args.kv_cache_dtype}) vs trainer float32 weights"
+    print(f"\n{args.preset}: engine {args.engine_dtype} (KV cache {args.kv_cache_dtype}, states "
+          f"{args.state_cache_dtype}) vs trainer float32 weights"
           f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'})\n")
     print("| engine residual | position | mean abs logp gap | max abs logp gap | ratio mean | ratio min | ratio max "

@@ -13,7 +13,7 @@ from sse_model.cache import LinearLayerState, linear_state_shapes
 from sse_model.configuration_sse import ATTENTION_MIXERS
 from sse_model.ops.dispatch import note_declined
 
-from .options import KV_CACHE_DTYPES
+from .options import KV_CACHE_DTYPES, STATE_CACHE_DTYPES
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # casting beyond it gives NaN, so values are clamped first
 
@@ -23,6 +23,13 @@ def kv_dtype_of(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
     return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
+
+
+def state_dtype_of(state_cache_dtype: str) -> torch.dtype:
+    """The recurrent-state pools' dtype for an engine option ``state_cache_dtype``."""
+    if state_cache_dtype not in STATE_CACHE_DTYPES:
+        raise ValueError(f"state_cache_dtype must be one of {', '.join(STATE_CACHE_DTYPES)}, got {state_cache_dtype!r}")
+    return getattr(torch, state_cache_dtype)
 
 
 def to_kv(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
@@ -229,7 +236,8 @@ class SlotCache:
 
     def read_linear(self, layer_idx: int, recurrent: bool = True) -> LinearLayerState:
         conv = self.conv.get(layer_idx)
-        return LinearLayerState(self.linear[layer_idx][self.slots] if recurrent else None,
+        # a prefill's initial states in float32 (the chunked kernels' states), whatever the pool keeps
+        return LinearLayerState(self.linear[layer_idx][self.slots].float() if recurrent else None,
                                 None if conv is None else tuple(c[self.slots] for c in conv))
 
     def write_linear(self, layer_idx: int, state: LinearLayerState) -> None:
@@ -353,11 +361,11 @@ def default_memory_budget(device: torch.device) -> int:
 
 def plan_slots(config, memory_budget: int, max_model_len: int, block_size: int, dtype: torch.dtype,
                max_slots: int | None = None, num_blocks: int | None = None,
-               kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
+               kv_dtype: torch.dtype | None = None, state_dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """``(max_slots, num_blocks)`` within ``memory_budget`` bytes (either given: as given): slots planned for
     sequences a quarter of ``max_model_len`` long on average (up to :data:`DEFAULT_MAX_SLOTS`), KV blocks in the
     rest; one sequence of ``max_model_len`` always fits, or the budget is refused."""
-    state = SlotCache.state_bytes(config, max_model_len, dtype, kv_dtype=kv_dtype)
+    state = SlotCache.state_bytes(config, max_model_len, dtype, state_dtype, kv_dtype)
     per_block = SlotCache.kv_bytes_per_token(config, kv_dtype or dtype) * block_size
     one_sequence = per_block * -(-max_model_len // block_size)
     if max_slots is None:

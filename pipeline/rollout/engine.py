@@ -32,7 +32,7 @@ import torch
 from common.generation import end_of_sequence_ids
 
 from . import cache as cache_module
-from .cache import SlotCache, kv_dtype_of, plan_slots
+from .cache import SlotCache, kv_dtype_of, plan_slots, state_dtype_of
 from .model_runner import LaunchedStep, ModelRunner
 from .options import DEFAULTS
 from .request import CompletionOutput, Request, RequestOutput, Sequence
@@ -100,15 +100,15 @@ class Engine:
     prompt tokens prefilled per engine step. ``overlap`` (default: on CUDA) queues each decode step before the host
     has read the previous one's tokens (``_decode``); outputs are the same either way. ``residual_dtype`` (float32)
     keeps the skip connections wider than bf16 weights, as training does (:attr:`SSEModel.residual_dtype`);
-    ``kv_cache_dtype="fp8"`` the softmax layers' keys and values in float8 (:func:`.cache.kv_dtype_of`);
-    ``refill_fraction``: the scheduler's refill policy."""
+    ``kv_cache_dtype="fp8"`` the softmax layers' keys and values in float8 (:func:`.cache.kv_dtype_of`),
+    ``state_cache_dtype="bfloat16"`` the recurrent states in bf16; ``refill_fraction``: the scheduler's policy."""
 
     def __init__(self, model, tokenizer=None, *, max_slots: int | None = None, max_model_len: int = 4096,
                  memory_budget: int | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, prefill_chunk_size: int = DEFAULTS.prefill_chunk_size,
                  block_size: int = DEFAULTS.block_size, num_blocks: int | None = None, use_cuda_graphs=None,
                  overlap=None, residual_dtype=None, refill_fraction: float = DEFAULTS.refill_fraction, seed: int = 0,
-                 kv_cache_dtype: str = DEFAULTS.kv_cache_dtype):
+                 kv_cache_dtype: str = DEFAULTS.kv_cache_dtype, state_cache_dtype: str = DEFAULTS.state_cache_dtype):
         if isinstance(model, (str, Path)):
             model, tokenizer, device = _load(model, tokenizer, dtype, device)
         device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -116,8 +116,10 @@ class Engine:
         self.scheduler = Scheduler(refill_fraction)
         self.tokenizer, self.config, self.device = tokenizer, model.config, device
         self.dtype, self.kv_dtype = self.runner.dtype, kv_dtype_of(kv_cache_dtype, self.runner.dtype)
+        self.state_dtype = state_dtype_of(state_cache_dtype)
         self.max_model_len, self.prefill_chunk_size, self.block_size = max_model_len, prefill_chunk_size, block_size
-        self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype, kv_dtype=self.kv_dtype)
+        self.per_slot_bytes = SlotCache.bytes_per_slot(self.config, max_model_len, self.dtype, self.state_dtype,
+                                                       self.kv_dtype)
         self._asked = (memory_budget, max_slots, num_blocks)
         self.cache: SlotCache | None = None
         self._plan()
@@ -140,10 +142,10 @@ class Engine:
         self.memory_budget = memory_budget if memory_budget is not None else \
             cache_module.default_memory_budget(self.device)
         self.max_slots, self.num_blocks = plan_slots(self.config, self.memory_budget, self.max_model_len,
-                                                     self.block_size, self.dtype, max_slots, num_blocks, self.kv_dtype)
+                                                     self.block_size, self.dtype, max_slots, num_blocks,
+                                                     self.kv_dtype, self.state_dtype)
 
-    # ---------------------------------------------------------------------------------------------
-    # requests
+    # -- requests ------------------------------------------------------------------------------------
     def capacity(self, seq_len: int | None = None) -> int:
         """How many sequences of ``seq_len`` tokens (default: max_model_len) can run at once."""
         blocks = self.scheduler.blocks_for(seq_len or self.max_model_len)
@@ -168,8 +170,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---------------------------------------------------------------------------------------------
-    # the loop
+    # -- the loop ------------------------------------------------------------------------------------
     def sleep(self) -> None:
         """Frees the state pools and CUDA graphs (e.g. while a colocated trainer updates the weights)."""
         if self.has_unfinished():
@@ -184,15 +185,14 @@ class Engine:
             if self._asked[0] is None and self.scheduler.cache is not None:  # the default budget follows the
                 self._plan()  # memory free now (the first plan is the constructor's)
             self.cache = SlotCache(self.config, self.max_slots + 1, self.max_model_len, self.device, self.dtype,
-                                   num_blocks=self.num_blocks, block_size=self.block_size, kv_dtype=self.kv_dtype)
+                                   self.state_dtype, self.num_blocks, self.block_size, kv_dtype=self.kv_dtype)
             self.runner.use(self.cache)
             self.scheduler.use(self.cache, self.max_slots, self.num_blocks, self.block_size)
 
     def warm_up(self, sequences: int | None = None) -> int:
-        """A one-token request per decode batch bucket up to ``sequences`` at once (default: every slot), to its
-        first decode step, as vLLM runs dummy batches at start: each bucket's graph is captured (Triton's kernels
-        tuned) before any timed request, after a prefill as a request captures it (one captured before its cache's
-        first prefill decoded differently, on an H200). Counts, ids and seeds stay. Returns the graphs captured."""
+        """A one-token request per batch bucket up to ``sequences`` at once (default: every slot), to its first
+        decode step (vLLM's dummy batches): graphs captured before any timed request, each after a prefill (one
+        captured before its cache's first prefill decoded differently). Counts, ids, seeds stay. Returns the graphs."""
         if self.has_unfinished():
             raise RuntimeError("warm_up while requests are in flight: before the first request")
         captured, stats, next_id = self.runner.num_graphs, copy.copy(self.stats), self._next_id
@@ -338,7 +338,7 @@ class Engine:
         self.stats.finished_requests += len(done)
         return done
 
-    # ---------------------------------------------------------------------------------------------
+    # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); returns outputs in the order of ``prompts``."""

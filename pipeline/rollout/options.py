@@ -10,6 +10,9 @@ ENGINE_BACKENDS = ("sse", "vllm")  # this package's rollout engine, or vLLM serv
 # the softmax layers' KV cache: in the engine's dtype ("auto"), or float8 e4m3 ("fp8": half the bytes a decode step
 # reads, as vLLM's kv_cache_dtype=fp8 with unit scales, values clamped to e4m3's range)
 KV_CACHE_DTYPES = ("auto", "fp8")
+# the SSE and linear layers' recurrent states: float32, or bfloat16 (half the bytes a slot holds and a decode step reads
+# and writes, rounded at every step; vLLM's mamba_ssm_cache_dtype)
+STATE_CACHE_DTYPES = ("float32", "bfloat16")
 
 
 def _rules(default, **rules):
@@ -23,6 +26,7 @@ class EngineOptions:
     prefill_chunk_size: int = _rules(2048, ge=1)  # prompt tokens prefilled per engine step
     block_size: int = _rules(256, ge=1)  # tokens per KV block of the full-attention layers
     kv_cache_dtype: str = _rules("auto", choices=KV_CACHE_DTYPES)
+    state_cache_dtype: str = _rules("float32", choices=STATE_CACHE_DTYPES)
     use_cuda_graphs: bool | None = None  # None: on CUDA
     overlap: bool | None = None  # queue each decode step before the host reads the last one's tokens; None: on CUDA
     # while sequences run, admit waiting requests once this fraction of the slots is free, to prefill them together:
