@@ -33,7 +33,7 @@ def _paged_decode_kernel(
     q, pool_k, pool_v, tables, lengths, slots, o, part_m, part_l, scale, H,
     sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr,
+    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -69,17 +69,26 @@ def _paged_decode_kernel(
             k = k.to(tl.float32)
         elif FP8:
             k = k.to(tl.float16)
-        s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        if KEYS_AS_ROWS:  # the scores transposed, [BT, GP]: the key tile is the product's rows, never transposed
+            s = tl.dot(k, tl.trans(q_tile)) * scale
+            s = tl.where(valid[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))
+            p = tl.exp(s - m_new[None, :])
+            l_step = tl.sum(p, 0)
+        else:
+            s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            l_step = tl.sum(p, 1)
         alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + l_step
         v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
         if F32:
             v = v.to(tl.float32)
         elif FP8:
             v = v.to(tl.float16)
+        p = tl.trans(p) if KEYS_AS_ROWS else p
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
@@ -118,14 +127,16 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
                            tokens_per_step: int = 64, splits: int | None = None,
-                           slots: torch.Tensor | None = None) -> torch.Tensor:
+                           slots: torch.Tensor | None = None, keys_as_rows: bool = False) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` (>= 1) cached tokens (float8 pools widened to fp16 as they are read). ``H`` a multiple of the
     pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
-    step, whose token :func:`rotary_store_decode` stored."""
+    step, whose token :func:`rotary_store_decode` stored. ``keys_as_rows``: the scores computed transposed (the
+    key tile as the product's rows, the small probability tile transposed instead), an orientation
+    ``benchmarks.kernels.bench_paged --fp8`` measures against the default for float8 tiles widened in registers."""
     B, H, D = q.shape
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
@@ -148,7 +159,7 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size, BT=tokens_per_step,
         SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(), HAS_SLOTS=slots is not None,
-        FP8=pool_k.dtype == torch.float8_e4m3fn, num_warps=8, num_stages=3,
+        FP8=pool_k.dtype == torch.float8_e4m3fn, KEYS_AS_ROWS=keys_as_rows, num_warps=8, num_stages=3,
     )
     if splits > 1:
         _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,

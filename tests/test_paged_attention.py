@@ -21,7 +21,8 @@ def gathered(q, pool_k, pool_v, tables, lengths, scale):
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(2, 2, 16), (6, 2, 32)])
-def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim):
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim, keys_as_rows):
     torch.manual_seed(0)
     block_size, num_blocks, B = 16, 12, 4
     lengths = torch.tensor([1, 17, 40, 5])  # one token, a block and one, partial last blocks
@@ -38,14 +39,15 @@ def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim)
     scale = dim ** -0.5
     want = gathered(q, pool_k, pool_v, tables, lengths, scale)
     for splits in (1, 3, 8):  # whole sequences; split in ranges, some empty for the short ones, merged after
-        got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, tokens_per_step=16, splits=splits)
+        got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, tokens_per_step=16, splits=splits,
+                                     keys_as_rows=keys_as_rows)
         assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
     # the engine's form: rows picked by slots, lengths counted before the step's (stored) token
     order = torch.tensor([2, 0, 3, 1])
     slots = torch.argsort(order)
     got = paged_decode_attention(q, pool_k, pool_v, tables[order], (lengths - 1)[order], tokens_per_step=16,
-                                 slots=slots)
+                                 slots=slots, keys_as_rows=keys_as_rows)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 

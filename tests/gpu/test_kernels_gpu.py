@@ -702,11 +702,13 @@ def test_paged_decode_attention_reads_float8_pools_and_the_store_clamps():
     tables = torch.randperm(B * per_seq, device="cuda").view(B, per_seq)
     lengths = torch.tensor([1, 255, 256, 257, 700, 1024, 1100, 1151], device="cuda")
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-    got = paged_decode_attention(q, pool_k, pool_v, tables, lengths)
     want = gather_path(q, pool_k.to(torch.bfloat16).repeat_interleave(H // kv_heads, dim=1),
                        pool_v.to(torch.bfloat16).repeat_interleave(H // kv_heads, dim=1), tables, lengths)
-    RESULTS.append(("paged decode attention, float8 pools vs gather (bf16)", rel(got, want), 0.0))
-    assert got.dtype == torch.bfloat16 and rel(got, want) < TOL[torch.bfloat16]
+    for keys_as_rows in (False, True):
+        got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, keys_as_rows=keys_as_rows)
+        RESULTS.append((f"paged decode attention, float8 pools vs gather (bf16){', keys as rows' * keys_as_rows}",
+                        rel(got, want), 0.0))
+        assert got.dtype == torch.bfloat16 and rel(got, want) < TOL[torch.bfloat16]
 
     rotary = RotaryEmbedding(D).cuda()
     k = 300 * torch.randn(B, kv_heads, D, device="cuda", dtype=torch.bfloat16)  # some beyond 448
