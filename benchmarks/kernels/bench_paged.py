@@ -64,9 +64,6 @@ def orientations(shapes: list[str], bandwidth: float) -> None:
                 diff = (out.float() - reference).abs().max().item()
                 print(f"| {B} x {T} | {name} | {keys_as_rows} | {ms:.3f} | {roofline:.3f} | {ms / roofline:.2f}x | "
                       f"{diff:.1e} |", flush=True)
-            del k, v
-        del q, pool_k, pool_v
-        torch.cuda.empty_cache()
 
 
 def main() -> None:
