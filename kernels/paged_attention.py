@@ -75,6 +75,7 @@ def _paged_decode_kernel(
             m_new = tl.maximum(m, tl.max(s, 0))
             p = tl.exp(s - m_new[None, :])
             l_step = tl.sum(p, 0)
+            p = tl.trans(p)  # [GP, BT] for the value product, as the default orientation has it
         else:
             s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -88,7 +89,6 @@ def _paged_decode_kernel(
             v = v.to(tl.float32)
         elif FP8:
             v = v.to(tl.float16)
-        p = tl.trans(p) if KEYS_AS_ROWS else p
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
