@@ -98,10 +98,12 @@ def test_runs_that_start_alike_share_one_starting_model_built_as_each_would_buil
         assert all(torch.equal(loaded[k], v) for k, v in own.items())
 
 
-def test_a_grpo_batch_is_split_from_its_steps_and_tabled(tmp_path):
-    """The last generation batch (4 optimizer steps, the first of which generated or collected it) of a run that
-    generated ahead, as the 4-H200 run logged it: its wall-clock is its steps' seconds, its rollout the trainer's
-    wait, training the rest; the engines' busy share is its column."""
+def test_a_grpo_batch_is_the_mean_of_the_batches_that_neither_compile_nor_come_free(tmp_path):
+    """A run that generated ahead, as the 4-H200 run logged it (4 batches of 4 optimizer steps, the first step of each
+    generated or collected it): the first batch compiles and the last was generated while the third trained, so it
+    never waited; the steady batch is the mean of the second and third: its wall-clock its steps' seconds, its
+    rollout the trainer's wait, training the rest, the engines' busy share its column. With fewer than three
+    batches there is no steady batch to report."""
     import json
 
     from benchmarks.pipeline.multi_gpu import batch_split, grpo_table
@@ -110,19 +112,27 @@ def test_a_grpo_batch_is_split_from_its_steps_and_tabled(tmp_path):
         head = {"time/step_s": first, "time/rollout_s": rollout, "time/weight_sync_s": sync, "time/reward_s": 0.0,
                 "tokens/generated": generated, "completions/mean_length": generated / 64}
         return [{**head, **({"engines/busy_fraction": busy} if busy is not None else {})},
-                {"time/step_s": 2.8}, {"time/step_s": 2.9}, {"time/step_s": 2.9}]
+                {"time/step_s": 2.2}, {"time/step_s": 2.2}, {"time/step_s": 2.2}]
 
-    rows = batch(25.8, 17.6, 1.5, 252775) + batch(6.6, 0.06, 0.03, 260690, busy=0.51)
-    (tmp_path / "grpo").mkdir()
-    (tmp_path / "grpo" / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(rows)) + '{"step": 8}\n')
+    def write(rows):
+        (tmp_path / "grpo").mkdir(exist_ok=True)
+        (tmp_path / "grpo" / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(rows)) + '{"step": 99}\n')
+
+    rows = batch(46.9, 42.1, 0.65, 497072) + batch(31.9, 29.6, 0.03, 516211, busy=0.79) + \
+        batch(32.3, 29.9, 0.04, 515106, busy=0.77) + batch(2.6, 0.05, 0.04, 519339, busy=0.77)
+    write(rows[:8])
+    assert batch_split(tmp_path) == {}
+    write(rows)
     split = batch_split(tmp_path)
-    assert split["batch_s"] == pytest.approx(6.6 + 2.8 + 2.9 + 2.9)
-    assert split["rollout_s"] == 0.06 and split["weight_sync_s"] == 0.03
-    assert split["train_s"] == pytest.approx(split["batch_s"] - 0.09)
-    assert split["generated_per_s"] == pytest.approx(260690 / split["batch_s"]) and split["engines_busy"] == 0.51
+    assert split["batches"] == 2
+    assert split["batch_s"] == pytest.approx((31.9 + 32.3) / 2 + 3 * 2.2)
+    assert split["rollout_s"] == pytest.approx(29.75) and split["weight_sync_s"] == pytest.approx(0.035)
+    assert split["train_s"] == pytest.approx(split["batch_s"] - 29.75 - 0.035)
+    assert split["generated_per_s"] == pytest.approx((516211 + 515106) / 2 / split["batch_s"])
+    assert split["engines_busy"] == pytest.approx(0.78)
     table = grpo_table([{"name": "ahead", "gpus": 4, "placement": "split", "staleness": "1 partial", "peak_gib": 62.6,
                          **split}, {"name": "bad", "gpus": 4, "placement": "split", "staleness": "0", "exit": 1,
                                     "error": "error: out of memory"}])
-    assert "| ahead | 4 | split | 1 partial | 15.2 | 0.1 | 0.03 | 0.00 | 15.1 | 51% | 4,073 | 17,151 | 1.00 | 62.6 |" in table
+    assert "| ahead | 4 | split | 1 partial | 38.7 | 29.8 | 0.04 | 0.00 | 8.9 | 78% | 8,057 | 13,325 | 1.00 | 62.6 |" in table
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())

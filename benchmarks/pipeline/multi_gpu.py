@@ -18,13 +18,13 @@ count: the per-step loss's largest relative difference from the first count's, a
 difference.
 
 ``grpo``: ``recipes/paper-2b``'s GRPO as the dry run shrinks it (8 prompts x 8 rollouts a generation batch, random
-weights that rarely stop) with two generation batches of ``--new-tokens`` tokens at most (the overlong penalty's
+weights that rarely stop) with four generation batches of ``--new-tokens`` tokens at most (the overlong penalty's
 window an eighth of that, as the recipe's 4,096 of 32,768), for each GPU count and placement (``colocated``: a
 trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of their own) and
 ``--staleness`` (1: the engines generate the next batch while the trainers train, split only; with ``--partial``
 they push the new weights into running sequences); ``--trainer-gpus`` splits the GPUs other than the placement's
-quarter; the second batch's time split (rollout, weight sync, reward, training) and its
-generated tokens over its whole wall-clock (the first batch compiles).
+quarter; the mean of the second and third batches (the first compiles; the last, generated ahead, never waits):
+their time split (rollout, weight sync, reward, training) and their generated tokens over their wall-clock.
 
 ``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
 ``--eval-repeats`` samples (default all 30 x 32, the recipe's avg@32: more sequences than one engine runs at once)
@@ -218,21 +218,30 @@ def same_steps_table(results: list[dict]) -> str:
 
 
 def batch_split(run_dir: Path) -> dict:
-    """The last generation batch of a GRPO run: the seconds of its rollout, weight sync, reward and training (its
-    steps' wall-clock less the others), its generated tokens (every worker's) over its whole wall-clock, and the
-    share of the time since the last sync that the engines generated (logged where engines run apart)."""
+    """A GRPO run's steady generation batch: the mean over its batches but the first (it compiles) and the last
+    (generating ahead, the engines generated it while the trainer trained the one before, and nothing follows it,
+    so it never waits: the one batch of a run that comes free). Its seconds, their split into rollout (the trainer
+    waiting), weight sync, reward and training (the rest), its generated tokens (every worker's) over its wall-clock,
+    and the share of the time since a sync that the engines generated (logged where engines run apart)."""
     rows = [r for r in read_metrics(run_dir / "grpo" / "metrics.jsonl") if "time/step_s" in r]
     starts = [i for i, r in enumerate(rows) if "tokens/generated" in r]
-    if len(starts) < 2:
+    if len(starts) < 3:
         return {}
-    batch = rows[starts[-1]:]
-    steps = [r["step"] - p for p, r in zip([rows[starts[-1] - 1]["step"]] + [r["step"] for r in batch], batch)]
-    wall = sum(r["time/step_s"] * n for r, n in zip(batch, steps))
-    split = {name: batch[0].get(f"time/{name}_s", 0.0) * steps[0] for name in ("rollout", "weight_sync", "reward")}
-    generated = batch[0]["tokens/generated"]
+    steps = [r["step"] - (rows[i - 1]["step"] if i else 0) for i, r in enumerate(rows)]  # (rows logged every k steps)
+    batches = [range(a, b) for a, b in zip(starts[1:], starts[2:])]
+
+    def mean(of) -> float:
+        return sum(of(b) for b in batches) / len(batches)
+
+    wall = mean(lambda b: sum(rows[i]["time/step_s"] * steps[i] for i in b))
+    split = {name: mean(lambda b: rows[b[0]].get(f"time/{name}_s", 0.0) * steps[b[0]])
+             for name in ("rollout", "weight_sync", "reward")}
+    generated = mean(lambda b: rows[b[0]]["tokens/generated"])
+    busy = [rows[b[0]]["engines/busy_fraction"] for b in batches if "engines/busy_fraction" in rows[b[0]]]
     return {"batch_s": wall, **{f"{k}_s": v for k, v in split.items()}, "train_s": wall - sum(split.values()),
-            "generated": generated, "mean_length": batch[0].get("completions/mean_length"),
-            "generated_per_s": generated / wall, "engines_busy": batch[0].get("engines/busy_fraction")}
+            "batches": len(batches), "generated": generated,
+            "mean_length": mean(lambda b: rows[b[0]].get("completions/mean_length", 0.0)),
+            "generated_per_s": generated / wall, "engines_busy": sum(busy) / len(busy) if busy else None}
 
 
 def bench_grpo(args):
@@ -252,7 +261,7 @@ def bench_grpo(args):
                     layout = placement if trainers is None else f"split{trainers}+{gpus - trainers}"
                     name = f"grpo-{args.preset}-{layout}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "") + \
                         ("-partial" if partial else "")
-                    overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=8", "grpo.mini_batches=4",
+                    overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=16", "grpo.mini_batches=4",
                                  f"grpo.max_completion_length={args.new_tokens}",
                                  f"grpo.rewards.overlong_cache={args.new_tokens // 8}", f"grpo.placement={placement}",
                                  f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
