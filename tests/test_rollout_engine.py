@@ -500,6 +500,29 @@ def test_top_k_and_top_p_are_honoured():
         assert chi2 < 25.0, (top_p, top_k, chi2)  # p < 1e-3 for <= 5 degrees of freedom
 
 
+def test_a_result_is_handed_over_between_steps_while_other_requests_run(model, tokenizer):
+    """A caller of ``result`` gets its finished requests at the loop's next step, not once the engine has nothing
+    left: it waited on the engine's own lock, which the loop takes again step after step, so on 4 H200 every batch
+    generated ahead came back only when the next one had finished too (the trainer waited a whole batch)."""
+    ray = pytest.importorskip("ray")
+    from pipeline.rollout.actor import RolloutWorker
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        worker = ray.remote(num_cpus=1)(RolloutWorker).remote(model, tokenizer, max_slots=4, max_model_len=700,
+                                                               block_size=16)
+        for _ in range(3):
+            steps = ray.get(worker.get_stats.remote())["decode_steps"]
+            long = worker.start.remote([PROMPTS[1]], [SamplingParams(max_tokens=600, ignore_eos=True)])
+            short = worker.start.remote([PROMPTS[0]], [SamplingParams(max_tokens=4, ignore_eos=True)])
+            assert len(ray.get(worker.result.remote(short))[0].outputs[0].token_ids) == 4
+            stats = ray.get(worker.get_stats.remote())
+            assert stats["decode_steps"] - steps <= 8 and stats["running"] == 1, stats  # the long one runs on
+            assert len(ray.get(worker.result.remote(long))[0].outputs[0].token_ids) == 600
+    finally:
+        ray.shutdown()
+
+
 def test_ray_fleet_matches_local_engine(model, tokenizer):
     ray = pytest.importorskip("ray")
     from pipeline.rollout.actor import EngineFleet

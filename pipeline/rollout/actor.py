@@ -26,7 +26,8 @@ class RolloutWorker:
     :meth:`generate` is one blocking call. Beside it, a thread of its own steps the engine while requests run
     (:meth:`start`, :meth:`result`), so that requests can join and weights arrive while it generates (the actor's
     calls return while the loop runs); a condition lets either the loop step the engine or one call use it, and a
-    call waiting for its turn goes before the loop's next step.
+    call waiting for its turn goes before the loop's next step. Callers waiting for results wait on a second
+    condition the loop only notifies, never on the engine's, which the loop takes again step after step.
     Weights loaded while sequences run (this package's engine) are what they continue under (partial rollouts);
     each completion then lists where its tokens' weights changed (``weight_versions``)."""
 
@@ -41,6 +42,7 @@ class RolloutWorker:
         self.sleep_between_calls = sleep_between_calls  # colocated with a trainer: free memory between rollouts
         self.busy_s = 0.0  # seconds spent generating (the rest of its life it waited for the trainer)
         self._cond, self._counting = threading.Condition(), threading.Lock()
+        self._finished = threading.Condition()  # notified after a step that finished requests (held for none)
         self._waiting_calls = 0  # calls waiting for the engine: the loop lets them in before its next step
         self._done: dict[str, RequestOutput] = {}
         self._changes: dict[str, list[tuple[int, dict]]] = {}  # request -> (weights version, sample -> tokens before)
@@ -78,9 +80,12 @@ class RolloutWorker:
         return ids
 
     def result(self, ids: list[str]) -> list[RequestOutput]:
-        """:meth:`start`'s requests once every one has finished, in order."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or all(i in self._done for i in ids))
+        """:meth:`start`'s requests once every one has finished, in order. It waits for them apart from the engine,
+        then takes its turn: waiting on the engine's condition, it could not get its lock while other requests ran
+        (the loop takes it again at once), and returned only once the engine ran dry."""
+        with self._finished:
+            self._finished.wait_for(lambda: self._error is not None or all(i in self._done for i in ids))
+        with self._turn():
             if self._error is not None:
                 raise RuntimeError(f"the engine's loop failed: {self._error!r}") from self._error
             outputs = [self._done.pop(i) for i in ids]
@@ -110,16 +115,18 @@ class RolloutWorker:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self.engine.has_unfinished() and not self._waiting_calls)
-                start = time.perf_counter()
+                start, finished = time.perf_counter(), False
                 try:
                     for out in self.engine.step():
-                        self._done[out.request_id] = out
+                        self._done[out.request_id], finished = out, True
                 except BaseException as error:  # noqa: BLE001 - handed to the callers waiting in result()
                     self._error = error
-                    self._cond.notify_all()
-                    return
                 self.busy_s += time.perf_counter() - start
-                self._cond.notify_all()
+            if finished or self._error is not None:  # (waking the callers every step would take the GIL from it)
+                with self._finished:
+                    self._finished.notify_all()
+            if self._error is not None:
+                return
 
     def _load(self, weights, version: int | None) -> int:
         """Loads weights between two steps; requests running continue under them (this package's engine)."""
