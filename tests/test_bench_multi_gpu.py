@@ -98,12 +98,12 @@ def test_runs_that_start_alike_share_one_starting_model_built_as_each_would_buil
         assert all(torch.equal(loaded[k], v) for k, v in own.items())
 
 
-def test_a_grpo_batch_is_the_mean_of_the_batches_that_neither_compile_nor_come_free(tmp_path):
-    """A run that generated ahead, as the 4-H200 run logged it (4 batches of 4 optimizer steps, the first step of each
-    generated or collected it): the first batch compiles and the last was generated while the third trained, so it
-    never waited; the steady batch is the mean of the second and third: its wall-clock its steps' seconds, its
-    rollout the trainer's wait, training the rest, the engines' busy share its column. With fewer than three
-    batches there is no steady batch to report."""
+def test_a_grpo_batch_is_the_mean_of_the_steady_batches(tmp_path):
+    """A run that generated one batch ahead (5 batches of 4 optimizer steps, the first step of each generated or
+    collected it): the first two batches start together at the run's start (and the first compiles), the last one
+    generates with nothing beside it and never waits; the steady batches are the middle ones, their mean's
+    wall-clock their steps' seconds, rollout the trainer's wait, training the rest, the engines' busy share its
+    column. Synchronous, every batch but the first is steady; with none steady there is nothing to report."""
     import json
 
     from benchmarks.pipeline.multi_gpu import batch_split, grpo_table
@@ -119,18 +119,22 @@ def test_a_grpo_batch_is_the_mean_of_the_batches_that_neither_compile_nor_come_f
         (tmp_path / "grpo" / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(rows)) + '{"step": 99}\n')
 
-    rows = batch(46.9, 42.1, 0.65, 497072) + batch(31.9, 29.6, 0.03, 516211, busy=0.79) + \
-        batch(32.3, 29.9, 0.04, 515106, busy=0.77) + batch(2.6, 0.05, 0.04, 519339, busy=0.77)
+    rows = batch(46.9, 42.1, 0.65, 497072) + batch(2.3, 0.1, 0.03, 516211, busy=0.99) + \
+        batch(31.9, 29.6, 0.03, 516211, busy=0.79) + batch(32.3, 29.9, 0.04, 515106, busy=0.77) + \
+        batch(2.6, 0.05, 0.04, 519339, busy=0.77)
+    write(rows[:12])
+    assert batch_split(tmp_path, ahead=1) == {}
     write(rows[:8])
-    assert batch_split(tmp_path) == {}
+    assert batch_split(tmp_path)["batch_s"] == pytest.approx(2.3 + 6.6)
     write(rows)
-    split = batch_split(tmp_path)
+    split = batch_split(tmp_path, ahead=1)
     assert split["batches"] == 2
     assert split["batch_s"] == pytest.approx((31.9 + 32.3) / 2 + 3 * 2.2)
     assert split["rollout_s"] == pytest.approx(29.75) and split["weight_sync_s"] == pytest.approx(0.035)
     assert split["train_s"] == pytest.approx(split["batch_s"] - 29.75 - 0.035)
     assert split["generated_per_s"] == pytest.approx((516211 + 515106) / 2 / split["batch_s"])
     assert split["engines_busy"] == pytest.approx(0.78)
+    assert batch_split(tmp_path)["batches"] == 4  # synchronous: all but the first
     table = grpo_table([{"name": "ahead", "gpus": 4, "placement": "split", "staleness": "1 partial", "peak_gib": 62.6,
                          **split}, {"name": "bad", "gpus": 4, "placement": "split", "staleness": "0", "exit": 1,
                                     "error": "error: out of memory"}])

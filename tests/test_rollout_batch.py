@@ -301,6 +301,32 @@ def test_partial_rollouts_push_the_weights_before_collecting_and_submit_the_next
     assert counts["async/off_policy_tokens"] == 1.0  # batch 2 came whole from the weights before the last sync
 
 
+def test_generating_two_batches_ahead_keeps_two_in_flight_and_needs_partial_rollouts(tmp_path):
+    """grpo.max_staleness=2 (with partial rollouts): the first batch submits itself and the two after it; each later
+    batch pushes the weights and submits the one two ahead (none past the last), so two batches generate while one
+    trains; the batch two ahead trains two batches stale. Without partial rollouts it is refused: a sync would
+    wait behind the blocking calls of the batches generating."""
+    from pipeline.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="grpo.max_staleness.*2 needs grpo.partial_rollouts"):
+        load_recipe("demo", ["grpo.max_staleness=2", "grpo.dynamic_sampling=false", "grpo.placement=split"])
+    trainer, inputs = grpo_trainer(tmp_path, [["So \\boxed{2}", "So \\boxed{4}"] * 4], [
+        "grpo.max_staleness=2", "grpo.partial_rollouts=true", "grpo.dynamic_sampling=false",
+        "grpo.importance_sampling=none", "grpo.steps=4", "grpo.max_completion_length=16"])
+    fleet = SubmittedAhead(trainer.fleet.groups, trainer.processing_class)
+    trainer.fleet, trainer.state.max_steps = fleet, 4
+    orders, staleness = [], []
+    for step in range(4):
+        fleet.events.clear()
+        trainer.state.global_step = step
+        trainer._generate_and_score_completions(inputs)
+        orders.append([e[0] for e in fleet.events])
+        staleness.append(trainer.timer.take()[1]["async/staleness"])
+    assert orders == [["sync", "submit", "submit", "submit", "collect"], ["sync", "submit", "collect"],
+                      ["sync", "collect"], ["sync", "collect"]]
+    assert staleness == [0.0, 1.0, 2.0, 2.0]
+
+
 def test_off_policy_share_counts_each_token_by_the_weights_that_made_it():
     from pipeline.rollout import CompletionOutput, RequestOutput
     from pipeline.rollout.actor import weight_versions

@@ -18,12 +18,12 @@ count: the per-step loss's largest relative difference from the first count's, a
 difference.
 
 ``grpo``: ``recipes/paper-2b``'s GRPO as the dry run shrinks it (8 prompts x 8 rollouts a generation batch, random
-weights that rarely stop) with four generation batches of ``--new-tokens`` tokens at most (the overlong penalty's
+weights that rarely stop) with generation batches of ``--new-tokens`` tokens at most (the overlong penalty's
 window an eighth of that, as the recipe's 4,096 of 32,768), for each GPU count and placement (``colocated``: a
 trainer worker and its engine on every GPU; ``split``: trainers and engines on GPUs of their own) and
-``--staleness`` (1: the engines generate the next batch while the trainers train, split only; with ``--partial``
+``--staleness`` (k: the engines generate k batches ahead while the trainers train, split only; with ``--partial``
 they push the new weights into running sequences); ``--trainer-gpus`` splits the GPUs other than the placement's
-quarter; the mean of the second and third batches (the first compiles; the last, generated ahead, never waits):
+quarter. Each run has 2k + 3 batches, and the two in the middle are its steady batches (:func:`batch_split`):
 their time split (rollout, weight sync, reward, training) and their generated tokens over their wall-clock.
 
 ``eval``: ``recipes/paper-2b``'s evaluation (random ``sse-h-2b`` weights) of ``--eval-limit`` AIME24 problems x
@@ -217,18 +217,19 @@ def same_steps_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def batch_split(run_dir: Path) -> dict:
-    """A GRPO run's steady generation batch: the mean over its batches but the first (it compiles) and the last
-    (generating ahead, the engines generated it while the trainer trained the one before, and nothing follows it,
-    so it never waits: the one batch of a run that comes free). Its seconds, their split into rollout (the trainer
-    waiting), weight sync, reward and training (the rest), its generated tokens (every worker's) over its wall-clock,
-    and the share of the time since a sync that the engines generated (logged where engines run apart)."""
+def batch_split(run_dir: Path, ahead: int = 0) -> dict:
+    """A GRPO run's steady generation batch: the mean over its batches but the first ``ahead + 1`` (the first
+    compiles; generating ``ahead`` batches ahead, those start together at the run's start) and the last ``ahead``
+    (they generate with fewer batches beside them, and the last never waits). Its seconds, their split into
+    rollout (the trainer waiting), weight sync, reward and training (the rest), its generated tokens (every
+    worker's) over its wall-clock, and the share of the time since a sync that the engines generated (logged where
+    engines run apart)."""
     rows = [r for r in read_metrics(run_dir / "grpo" / "metrics.jsonl") if "time/step_s" in r]
-    starts = [i for i, r in enumerate(rows) if "tokens/generated" in r]
-    if len(starts) < 3:
+    starts = [i for i, r in enumerate(rows) if "tokens/generated" in r] + [len(rows)]
+    batches = [range(a, b) for a, b in zip(starts[ahead + 1:], starts[ahead + 2:len(starts) - ahead])]
+    if not batches:
         return {}
     steps = [r["step"] - (rows[i - 1]["step"] if i else 0) for i, r in enumerate(rows)]  # (rows logged every k steps)
-    batches = [range(a, b) for a, b in zip(starts[1:], starts[2:])]
 
     def mean(of) -> float:
         return sum(of(b) for b in batches) / len(batches)
@@ -261,14 +262,17 @@ def bench_grpo(args):
                     layout = placement if trainers is None else f"split{trainers}+{gpus - trainers}"
                     name = f"grpo-{args.preset}-{layout}-{gpus}gpu" + (f"-ahead{staleness}" if staleness else "") + \
                         ("-partial" if partial else "")
-                    overrides = [*DRY_RUN, f"model.preset={args.preset}", "grpo.steps=16", "grpo.mini_batches=4",
+                    batches = 2 * staleness + 3  # two steady ones (batch_split)
+                    overrides = [*DRY_RUN, f"model.preset={args.preset}", f"grpo.steps={4 * batches}",
+                                 "grpo.mini_batches=4",
                                  f"grpo.max_completion_length={args.new_tokens}",
                                  f"grpo.rewards.overlong_cache={args.new_tokens // 8}", f"grpo.placement={placement}",
                                  f"grpo.max_staleness={staleness}", f"grpo.partial_rollouts={str(partial).lower()}",
                                  "grpo.save_steps=100", *split]
                     plans.append((name, gpus, overrides, {"placement": layout.replace("split", "split "),
                                                           "staleness": f"{staleness}{' partial' if partial else ''}"}))
-    return "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder)
+    ahead = {name: int(fields["staleness"].split()[0]) for name, _, _, fields in plans}
+    return "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder, ahead[folder.name])
 
 
 def split_overrides(gpus: int, trainers: int | None) -> list[str] | None:
@@ -351,8 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sharding", nargs="+", default=["auto"], choices=("auto", "ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=3, help="distill: optimizer steps a run (the first is not timed)")
     parser.add_argument("--placement", nargs="+", default=["colocated", "split"], choices=("colocated", "split"))
-    parser.add_argument("--staleness", type=int, nargs="+", default=[0], choices=(0, 1),
-                        help="grpo: grpo.max_staleness values (1: the engines generate a batch ahead; split only)")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0], choices=range(5),
+                        help="grpo: grpo.max_staleness values (k: the engines generate k batches ahead; split only)")
     parser.add_argument("--partial", action="store_true",
                         help="grpo: generating ahead with partial rollouts (the weights pushed into running sequences)")
     parser.add_argument("--trainer-gpus", type=int, nargs="+",

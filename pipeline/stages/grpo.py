@@ -190,7 +190,7 @@ class SSEGRPOConfig(GRPOConfig):
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "Tokens in one packed forward at most; default: as many as the padded micro-batch would hold."})
     max_staleness: int = field(default=0, metadata={
-        "help": "Generation batches the engines generate ahead of the trainer (0 or 1)."})
+        "help": "Generation batches the engines generate ahead of the trainer (0: none, take turns)."})
     partial_rollouts: bool = field(default=False, metadata={
         "help": "Generating ahead, push the weights while sequences run; they continue under them."})
     old_logprobs: str = field(default="trainer", metadata={
@@ -291,20 +291,22 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         return [self.train_dataset[i] for i in self.prompts.rows(j) for _ in range(self.num_generations)]
 
     def _collect_ahead(self) -> list[dict]:
-        """Asynchronous GRPO: collects this generation batch (submitted one batch earlier, or now after a start or
-        a resume), syncs the weights, submits the next batch, and returns this one's rows for TRL to score; the
-        engines generate the next batch while the trainer trains on this one. With partial rollouts the sync and
-        the next batch come before the collection, so this batch's running sequences finish under the new weights."""
+        """Asynchronous GRPO: collects this generation batch (submitted earlier, or now after a start or a resume),
+        syncs the weights, submits the batches up to ``max_staleness`` ahead not yet submitted, and returns this
+        one's rows for TRL to score; the engines generate them while the trainer trains on this one. With partial
+        rollouts the sync and the submissions come before the collection, so this batch's running sequences finish
+        under the new weights and the next ones start beside them."""
         j = self.state.global_step // self.steps_per_batch
         last = -(-self.state.max_steps // self.steps_per_batch) - 1
+        ahead = range(j + 1, min(j + self.args.max_staleness, last) + 1)  # generated while this one trains
         partial = self.args.partial_rollouts
         if j not in self._ahead:  # the first batch of a run or of a resume: nothing was generated ahead
             self.sync_weights()
             self._submit_ahead(j)
         elif partial:  # batch j's sequences still running continue under these weights
             self.sync_weights()
-        if partial and j < last:  # the engines start it as batch j's sequences finish
-            self._submit_ahead(j + 1)
+        if partial:
+            self._submit_missing(ahead)
         generation, rows, submitted_at = self._ahead.pop(j)
         start = time.perf_counter()
         self._ready = self.fleet.collect(generation)
@@ -314,10 +316,15 @@ class SSEGRPOTrainer(BalanceLossMixin, GRPOTrainer):
         # the policy that trains on it: the fleet's weights, or one step newer if the trainer stepped since the sync
         current = self.fleet.version + (self._synced_step != self.state.global_step)
         self.timer.set("async/off_policy_tokens", off_policy_share(self._ready, generation.weights_version, current))
-        if j < last and not partial:
+        if not partial and ahead:
             self.sync_weights()
-            self._submit_ahead(j + 1)
+            self._submit_missing(ahead)
         return rows
+
+    def _submit_missing(self, batches: range) -> None:
+        for j in batches:
+            if j not in self._ahead:
+                self._submit_ahead(j)
 
     def _submit_ahead(self, j: int) -> None:
         rows = self._batch_ahead(j)

@@ -1,6 +1,6 @@
 """The prompts of every generation batch, known before the trainer asks for them: asynchronous GRPO
-(``grpo.max_staleness: 1``) starts the engines on batch ``j + 1`` while the trainers train on batch ``j``, so it
-cannot wait for TRL's sampler to hand batch ``j + 1`` over."""
+(``grpo.max_staleness: k``) starts the engines on batches ``j + 1 .. j + k`` while the trainers train on batch
+``j``, so it cannot wait for TRL's sampler to hand them over."""
 
 from __future__ import annotations
 
