@@ -141,3 +141,36 @@ def test_weights_synced_into_running_sequences_on_the_gpu():
         fleet.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_a_result_is_handed_over_between_steps_on_the_gpu():
+    """On CUDA (graphs replayed on the engine's loop thread, each step queued before the last one's tokens are read)
+    a short request's result comes back within a few steps of its end while a long one runs on: collecting a batch
+    generated ahead used to wait until the next batch had finished too (on 4 H200 the trainer waited a whole batch).
+    The CPU twin: tests/test_rollout_engine.py::test_a_result_is_handed_over_between_steps_while_other_requests_run."""
+    ray = pytest.importorskip("ray")
+    import torch
+
+    import kernels
+    from pipeline.rollout import SamplingParams
+    from pipeline.rollout.actor import RolloutWorker
+    from sse_model import SSEConfig, SSEForCausalLM
+
+    kernels.register()
+    config = SSEConfig.from_preset("sse-h-tiny", vocab_size=512, hidden_size=512, num_heads=4, head_dim=128,
+                                   num_attention_heads=4, intermediate_size=1024, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        worker = ray.remote(num_gpus=1)(RolloutWorker).remote(SSEForCausalLM(config), None, max_slots=8,
+                                                              max_model_len=4096, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            steps = ray.get(worker.get_stats.remote())["decode_steps"]
+            long = worker.start.remote([list(range(5, 40))], [SamplingParams(max_tokens=3000, ignore_eos=True)])
+            short = worker.start.remote([[1, 2, 3, 4]], [SamplingParams(max_tokens=4, ignore_eos=True)])
+            assert len(ray.get(worker.result.remote(short))[0].outputs[0].token_ids) == 4
+            stats = ray.get(worker.get_stats.remote())
+            assert stats["decode_steps"] - steps <= 8 and stats["running"] == 1, stats
+            assert len(ray.get(worker.result.remote(long))[0].outputs[0].token_ids) == 3000
+    finally:
+        ray.shutdown()
