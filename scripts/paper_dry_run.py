@@ -270,9 +270,8 @@ def report(stages: dict, rates: dict, records: dict, projections: list[dict], ar
                   + ("the dry run's own weight sync" if scaling.weight_sync_s is None else
                      f"a weight sync of {scaling.weight_sync_s:g} s (CUDA IPC or NCCL broadcast, measured)")
                   + " per generation batch; generating ahead (`grpo.max_staleness: 1`, a recipe change: it needs "
-                  "dynamic sampling off, so one round) takes the slower of rollout and training (on 4 H200 at "
-                  "8k tokens its batch took 22.3 s, its training 22.2 s; at 4k 15.2 s against 13.5 s of training "
-                  "synchronously, docs/multi_gpu.md); "
+                  "dynamic sampling off, so one round) takes the slower of rollout and training (assumed: on 4 H200 at "
+                  "8k tokens it has not yet been measured to overlap them, docs/multi_gpu.md); "
                   "evaluation on every GPU's engine at the same rates; rows of 32,768 generated tokens are what "
                   "random weights produce (the worst case).", ""]
     return "\n".join(lines)

@@ -246,7 +246,7 @@ def batch_split(run_dir: Path, ahead: int = 0) -> dict:
 
 
 def bench_grpo(args):
-    plans = []
+    plans, ahead = [], {}  # (the batches each run generates ahead, by name: its steady batches depend on them)
     for staleness in args.staleness:
         partial = bool(staleness) and args.partial
         for placement in args.placement:
@@ -271,7 +271,7 @@ def bench_grpo(args):
                                  "grpo.save_steps=100", *split]
                     plans.append((name, gpus, overrides, {"placement": layout.replace("split", "split "),
                                                           "staleness": f"{staleness}{' partial' if partial else ''}"}))
-    ahead = {name: int(fields["staleness"].split()[0]) for name, _, _, fields in plans}
+                    ahead[name] = staleness
     return "grpo", "paper-2b", plans, lambda folder, log: batch_split(folder, ahead[folder.name])
 
 

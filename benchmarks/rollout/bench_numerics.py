@@ -27,6 +27,7 @@ import time
 import torch
 
 from pipeline.rollout.engine import Engine
+from pipeline.rollout.options import KV_CACHE_DTYPES, STATE_CACHE_DTYPES
 from pipeline.rollout.sampling import SamplingParams
 
 
@@ -117,9 +118,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--routing", action="store_true", help="also where engine and trainer route tokens apart")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="the engine's KV cache of the softmax layers (fp8: float8 e4m3)")
-    parser.add_argument("--state-cache-dtype", default="float32", choices=["float32", "bfloat16"],
+    parser.add_argument("--state-cache-dtype", default="float32", choices=STATE_CACHE_DTYPES,
                         help="the engine's recurrent states of the SSE layers")
     args = parser.parse_args()
     from sse_model import SSEConfig, SSEForCausalLM
