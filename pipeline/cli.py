@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     keep.add_argument("run", help="the run folder (its output_dir)")
     keep.add_argument("dest", help="a new folder for the kept files")
     loss = commands.add_parser("loss", help="assistant-token loss of models on worked solutions (conversion's yardstick)")
-    loss.add_argument("models", nargs="+", help="model folders, GGUF files or known model names; the first is the "
-                                                "reference of the table's ratio column")
+    loss.add_argument("models", nargs="+", help="model folders, GGUF files or known model names, each as PATH or "
+                                                "LABEL=PATH (paths under one label are draws of one arm); the first "
+                                                "arm is the reference of the table's ratio column")
     loss.add_argument("--data", default="gsm8k_train", help="a data source with problem + solution (as in recipes)")
     loss.add_argument("--first", type=int, default=24, help="how many records, from the start")
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")

@@ -11,8 +11,9 @@ tokenizer for every model, so the numbers compare a converted model with the Tra
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +27,47 @@ class LossResult:
     accuracy: float
     tokens: int
     records: int
+    record_losses: list[float] = field(default_factory=list)  # each record's summed loss: what intervals resample
+    label: str = ""  # the arm this model is a draw of (its name when given alone)
+
+
+@dataclass
+class Arm:
+    """The draws of one setting (one label): rows of the table, resampled together."""
+    label: str
+    draws: list[LossResult]
+
+    @property
+    def loss(self) -> float:
+        return sum(d.loss for d in self.draws) / len(self.draws)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(d.accuracy for d in self.draws) / len(self.draws)
+
+
+def group(results: list[LossResult]) -> list[Arm]:
+    """Results by label, in the order each label first appears. Draws of an arm must score the same tokens (one
+    tokenizer), or their mean would mix units."""
+    arms: dict[str, Arm] = {}
+    for r in results:
+        arm = arms.setdefault(r.label or r.model, Arm(r.label or r.model, []))
+        if arm.draws and arm.draws[0].tokens != r.tokens:
+            raise ValueError(f"{r.model}: {r.tokens} tokens against {arm.draws[0].tokens} for {arm.draws[0].model}, "
+                             f"a draw of the same label {arm.label!r}: the draws of a label need one tokenizer")
+        arm.draws.append(r)
+    return list(arms.values())
+
+
+def ratio_interval(reference: Arm, arm: Arm, iterations: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95% interval of ``arm``'s loss over ``reference``'s, resampling each arm's draws and the records both
+    scored. Over one tokenizer every model scores the same tokens of each record, so the ratio of mean summed record
+    losses is the ratio of losses per token."""
+    from eval.metrics import hierarchical_bootstrap, percentile_interval
+
+    tables = [[dict(enumerate(d.record_losses)) for d in a.draws] for a in (reference, arm)]
+    means = hierarchical_bootstrap(tables, iterations=iterations, seed=seed)
+    return percentile_interval([b / a for a, b in means])
 
 
 def encode(tokenizer, row: dict) -> tuple[list[int], int]:
@@ -43,26 +85,43 @@ def encode(tokenizer, row: dict) -> tuple[list[int], int]:
 def completion_loss(model, tokenizer, dataset, device: torch.device, name: str = "model") -> LossResult:
     """Teacher-forced loss and top-1 accuracy over the completions of ``dataset`` (one record per forward)."""
     model.eval().to(device)
-    total, correct, count = 0.0, 0, 0
+    sums, correct, count = [], 0, 0
     for row in dataset:
         ids, start = encode(tokenizer, row)
         x = torch.tensor([ids], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=x, use_cache=False).logits[0, start - 1:-1].float()
         target = x[0, start:]
-        total += F.cross_entropy(logits, target, reduction="sum").item()
+        sums.append(F.cross_entropy(logits, target, reduction="sum").item())
         correct += int((logits.argmax(-1) == target).sum())
         count += target.numel()
-    return LossResult(name, total / max(count, 1), correct / max(count, 1), count, len(dataset))
+    return LossResult(name, sum(sums) / max(count, 1), correct / max(count, 1), count, len(dataset), sums)
 
 
-def markdown(results: list[LossResult], reference: float | None = None) -> str:
-    head = "| model | loss (nats/token) | top-1 accuracy | tokens | records |" + (" x first |" if reference else "")
+def markdown(arms: list[Arm], ratios: bool) -> str:
+    """A row per arm; with ``ratios`` (one tokenizer, a finite reference) each arm's loss over the first arm's."""
+    head = "| model | draws | loss (nats/token) | top-1 accuracy | tokens | records |" + (
+        " x first (95% interval) |" if ratios else "")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for r in results:
-        ratio = f" {r.loss / reference:.2f} |" if reference else ""
-        lines.append(f"| {r.model} | {r.loss:.3f} | {r.accuracy:.3f} | {r.tokens} | {r.records} |{ratio}")
+    for arm in arms:
+        first = arm.draws[0]
+        ratio = ""
+        if ratios:
+            ratio = " 1.00 |" if arm is arms[0] else " {:.3f} ({:.3f}-{:.3f}) |".format(
+                arm.loss / arms[0].loss, *ratio_interval(arms[0], arm))
+        lines.append(f"| {arm.label} | {len(arm.draws)} | {arm.loss:.3f} | {arm.accuracy:.3f} | {first.tokens} | "
+                     f"{first.records} |{ratio}")
     return "\n".join(lines)
+
+
+def parse_model(argument: str) -> tuple[str, str]:
+    """``LABEL=PATH`` or ``PATH`` (its own label)."""
+    label, sep, path = argument.partition("=")
+    if not sep:
+        return argument, argument
+    if not label or not path:
+        raise ValueError(f"{argument!r}: a model is PATH or LABEL=PATH")
+    return label, path
 
 
 def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None) -> str:
@@ -77,20 +136,29 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     if first < 1:
         raise ValueError(f"--first {first}: score at least one record")
     where = resolve_device(device)
+    named = [(label, name, local_model(name)) for label, name in map(parse_model, models)]  # all before loading
+    for _, name, path in named:
+        if not Path(path).exists():
+            raise ValueError(f"{name}: no such model folder, file or cached known model")
     results, vocabularies = [], set()
-    for name in models:
-        path = local_model(name)
+    for label, name, path in named:
         tokenizer = load_tokenizer(None, path)  # each model its own: another's ids would be noise to it
         vocabularies.add(hash(frozenset(tokenizer.get_vocab().items())))
         model = load_pretrained(path, torch.float32)
-        results.append(completion_loss(model, tokenizer, dataset, where, name))
+        result = completion_loss(model, tokenizer, dataset, where, name)
+        result.label = label
+        results.append(result)
         del model
+    arms = group(results)
     # losses per token compare only over one tokenizer's tokens
-    comparable = len(results) > 1 and len(vocabularies) == 1 and math.isfinite(results[0].loss)
-    table = markdown(results, results[0].loss if comparable else None)
-    text = f"Assistant-token loss on the first {len(dataset)} records of `{data}` (device {where}):\n\n{table}\n"
+    comparable = len(arms) > 1 and len(vocabularies) == 1 and math.isfinite(arms[0].loss)
+    text = (f"Assistant-token loss on the first {len(dataset)} records of `{data}` (device {where}):\n\n"
+            f"{markdown(arms, comparable)}\n")
     if len(vocabularies) > 1:
         text += "\nThe models' tokenizers differ: each loss is per token of its own tokenizer, not comparable.\n"
     if out:
         Path(out).write_text(text)
+        # every record's loss beside the table: intervals over other groupings need no GPU again
+        Path(out).with_suffix(".json").write_text(json.dumps({"data": data, "records": len(dataset),
+                                                              "models": [asdict(r) for r in results]}))
     return text

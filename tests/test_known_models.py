@@ -252,6 +252,14 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
                  "--out", str(table)]) == 0
     rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][2:]  # after header, rule
     assert len(rows) == 2 and rows[0].endswith("| 1.00 |") and str(path) in rows[0]
+    # two draws under one label: one row, its ratio with an interval, every record's loss kept beside the table
+    assert main(["loss", f"published={path}", f"trained={run / 'align' / 'final'}", f"trained={run / 'distill' / 'final'}",
+                 "--first", "3", "--device", "cpu", "--out", str(table)]) == 0
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][2:]
+    assert [r.split(" | ")[:2] for r in rows] == [["| published", "1"], ["| trained", "2"]] and "-" in rows[1]
+    kept = json.loads(table.with_suffix(".json").read_text())["models"]
+    assert [m["label"] for m in kept] == ["published", "trained", "trained"] and len(kept[2]["record_losses"]) == 3
+    assert main(["loss", str(tmp_path / "nowhere"), "--first", "3", "--device", "cpu"]) == 2
     # a model of another tokenizer (the demo's characters) is read with its own, and no ratio is drawn across them
     # (it was read through the first model's: a loss of 4.389 reported without a word)
     from pipeline.run import run_recipe as run_demo

@@ -1,0 +1,54 @@
+"""``sse-pipeline loss``'s arms: draws grouped by label, the ratio to the first arm with an interval over draws and
+records (the GPU part, scoring real models, is in tests/test_known_models.py)."""
+
+import random
+
+import pytest
+
+from pipeline.lm_loss import LossResult, group, markdown, parse_model, ratio_interval
+
+
+def draw(label: str, record_losses: list[float], tokens: int = 100) -> LossResult:
+    return LossResult(f"runs/{label}/{len(record_losses)}", sum(record_losses) / tokens, 0.5, tokens,
+                      len(record_losses), record_losses, label)
+
+
+def test_models_are_paths_or_labelled_paths():
+    assert parse_model("runs/a/distill/final") == ("runs/a/distill/final", "runs/a/distill/final")
+    assert parse_model("SSE-H=runs/a/distill/final") == ("SSE-H", "runs/a/distill/final")
+    for bad in ("=runs/a", "SSE-H="):
+        with pytest.raises(ValueError, match="LABEL=PATH"):
+            parse_model(bad)
+
+
+def test_draws_of_a_label_form_one_arm_in_first_seen_order():
+    results = [draw("T", [1.0, 2.0]), draw("S", [2.0, 2.0]), draw("T", [3.0, 2.0])]
+    arms = group(results)
+    assert [a.label for a in arms] == ["T", "S"] and [len(a.draws) for a in arms] == [2, 1]
+    assert arms[0].loss == pytest.approx((0.03 + 0.05) / 2)
+    with pytest.raises(ValueError, match="one tokenizer"):
+        group([draw("T", [1.0]), draw("T", [1.0], tokens=90)])
+
+
+def test_a_ratio_the_records_fix_has_no_width_and_spread_draws_widen_it():
+    rng = random.Random(0)
+    base = [rng.uniform(50, 150) for _ in range(200)]
+    reference = group([draw("T", base)])[0]
+    scaled = group([draw("S", [1.1 * x for x in base])])[0]
+    assert ratio_interval(reference, scaled) == pytest.approx((1.1, 1.1))
+    # noisy draws around 1.1x: one draw's interval (records only) is narrower than two draws' that disagree
+    noisy = [draw("S", [f * x * rng.uniform(0.8, 1.2) for x in base]) for f in (1.0, 1.2)]
+    low1, high1 = ratio_interval(reference, group(noisy[:1])[0])
+    low2, high2 = ratio_interval(reference, group(noisy)[0])
+    assert high2 - low2 > 2 * (high1 - low1)
+    assert low2 < sum(a.loss for a in noisy) / 2 / reference.loss < high2
+
+
+def test_the_table_gives_each_arm_a_row_and_the_first_as_reference():
+    rng = random.Random(1)
+    base = [rng.uniform(50, 150) for _ in range(50)]
+    arms = group([draw("T", base), draw("S", [1.2 * x for x in base]), draw("S", [1.3 * x for x in base])])
+    rows = [line for line in markdown(arms, ratios=True).splitlines() if line.startswith("| ")][2:]
+    assert rows[0].startswith("| T | 1 |") and rows[0].endswith("| 1.00 |")
+    assert rows[1].startswith("| S | 2 |") and "| 1.250 (1.200-1.300) |" in rows[1], rows[1]
+    assert "x first" not in markdown(arms, ratios=False)
