@@ -84,9 +84,11 @@ def encode(tokenizer, row: dict) -> tuple[list[int], int]:
 @torch.no_grad()
 def completion_loss(model, tokenizer, dataset, device: torch.device, name: str = "model") -> LossResult:
     """Teacher-forced loss and top-1 accuracy over the completions of ``dataset`` (one record per forward)."""
+    from tqdm.auto import tqdm
+
     model.eval().to(device)
     sums, correct, count = [], 0, 0
-    for row in dataset:
+    for row in tqdm(dataset, desc=f"loss {name}", unit="record", dynamic_ncols=True, mininterval=10):
         ids, start = encode(tokenizer, row)
         x = torch.tensor([ids], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
