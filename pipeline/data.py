@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from pathlib import Path
 
 from datasets import Dataset
@@ -50,14 +51,40 @@ def builtin_records(source: str, spec: DataSpec) -> list[dict]:
         raise ValueError(f"data source {source!r}: {err}") from err
 
 
+SPLIT = re.compile(r"(\w+)(?:\[(-?\d*)(%?):(-?\d*)(%?)\])?")
+
+
+def split_slice(split: str, size: int) -> slice:
+    """Which of a file's ``size`` records a split names, as the ``datasets`` library reads a hub dataset's
+    (``train``, ``train[:-500]``, ``train[-500:]``, ``train[:90%]``): a file holds one split, ``train``, and a
+    slice of it keeps a validation part apart from the training part."""
+    match = SPLIT.fullmatch(split.replace(" ", ""))
+    if match is None or match.group(1) != "train":
+        raise ValueError(f"split {split!r}: a file holds one split, 'train'; take a part of it as 'train[:-500]', "
+                         f"'train[-500:]' or 'train[:90%]'")
+    _, start, start_pct, stop, stop_pct = match.groups()
+
+    def bound(value: str, pct: str) -> int | None:
+        if not value:
+            return None
+        return round(int(value) * size / 100) if pct else int(value)
+
+    return slice(bound(start, start_pct), bound(stop, stop_pct))
+
+
 def _load_records(spec: DataSpec) -> list[dict]:
     source = spec.source
     if source.startswith("builtin:"):
+        if spec.split != "train":
+            raise ValueError(f"data source {source!r}: split {spec.split!r}: a builtin generator has no splits "
+                             f"(another seed draws other problems)")
         return builtin_records(source, spec)
-    if source in PACKAGED:
-        return [record for _, record in read_records(PACKAGED[source])]
-    if Path(source).exists():
-        return [record for _, record in read_records(Path(source))]
+    if source in PACKAGED or Path(source).exists():
+        records = [record for _, record in read_records(PACKAGED.get(source) or Path(source))]
+        try:
+            return records[split_slice(spec.split, len(records))]
+        except ValueError as err:
+            raise ValueError(f"data source {source!r}: {err}") from None
     try:
         import datasets
 

@@ -333,8 +333,12 @@ def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
     assert recipe.eval.benchmarks == ["gsm8k", "word_problems_val", "math500"]
     traces = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
     answers = prompt_dataset(DataSpec(source="gsm8k_train"), recipe.prompt_instruction)
-    assert len(traces) == 7473 + 3000 and len(answers) == 7473
-    for row, prompt in zip(traces.select(range(0, 7473, 97)), answers.select(range(0, 7473, 97))):
+    assert len(traces) == 6973 + 3000 and len(answers) == 7473
+    # the held-out solutions the distillation scores: GSM8K train's last 500, which it does not train on
+    held = sft_dataset(recipe.distill.eval_data, recipe.prompt_instruction)
+    assert len(held) == 500 and {r["prompt"][0]["content"] for r in held}.isdisjoint(
+        r["prompt"][0]["content"] for r in traces)
+    for row, prompt in zip(traces.select(range(0, 6973, 97)), answers.select(range(0, 6973, 97))):
         text = row["completion"][0]["content"]
         assert "<<" not in text and "####" not in text
         assert extract_answer(text) == prompt["answer"], text

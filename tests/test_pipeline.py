@@ -891,3 +891,57 @@ def test_progress_is_one_short_line_a_step_with_rate_and_eta():
     line = progress_line("grpo", state, {"time/step_s": 2.0, "reward": 0.4567, "tokens/generated_per_s": 12345.6,
                                         "completions/mean_length": 88.0})
     assert line == "grpo: step 40/120 (33%), 2.00 s/step, ETA 00:02:40, reward 0.457, generated tok/s 12,346"
+
+
+def test_a_file_split_is_sliced_as_datasets_slices_a_hub_split(tmp_path):
+    """``split: train[:-8]`` and ``train[-8:]`` part one file into training and held-out records, as the
+    ``datasets`` library reads ``train[:90%]`` of a hub dataset; anything else is refused before a stage starts."""
+    from pipeline.data import split_slice, sft_dataset
+    from pipeline.recipe import DataSpec, RecipeError
+    from pipeline.stages.distill import DistillStage
+
+    assert split_slice("train", 40) == slice(None, None) and split_slice("train[:-8]", 40) == slice(None, -8)
+    assert split_slice("train[10%:]", 40) == slice(4, None) and split_slice("train[ 2:5 ]", 40) == slice(2, 5)
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1?", "solution": f"{i}+1={i + 1}"}) + "\n" for i in range(40)))
+    train = sft_dataset(DataSpec(source=str(data), split="train[:-8]"))
+    held_out = sft_dataset(DataSpec(source=str(data), split="train[-8:]"))
+    assert len(train) == 32 and len(held_out) == 8
+    assert {r["prompt"][0]["content"] for r in train}.isdisjoint(r["prompt"][0]["content"] for r in held_out)
+    for split in ("test", "train[a:]", "train[:-8"):
+        recipe = load_recipe("demo", [f"distill.data={{source: {data}, split: '{split}'}}"])
+        with pytest.raises(RecipeError, match=r"distill.data.split: .*one split, 'train'"):
+            DistillStage().preflight(recipe)
+    recipe = load_recipe("demo", ["distill.eval_data={source: 'builtin:arithmetic', split: 'train[:5]'}"])
+    with pytest.raises(RecipeError, match=r"distill.eval_data.split: .*no splits"):
+        DistillStage().preflight(recipe)
+    with pytest.raises(RecipeError, match="distill.eval_steps: no distill.eval_data"):
+        load_recipe("demo", ["distill.eval_steps=5"])
+
+
+def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_path):
+    """``distill.eval_data``: the held-out solutions' teacher-forced loss in metrics.jsonl every ``eval_steps`` and
+    for the final model, equal to what ``sse-pipeline loss`` gives that model on the same records."""
+    import torch
+
+    from pipeline.data import sft_dataset
+    from pipeline.lm_loss import completion_loss
+    from pipeline.recipe import DataSpec
+    from sse_model.checkpoint import load_pretrained
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i % 7}?", "solution": f"{i}+{i % 7}={i + i % 7} "
+                                        f"\\boxed{{{i + i % 7}}}"}) + "\n" for i in range(48)))
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'run'}", f"distill.data={{source: {data}, split: 'train[:-8]'}}",
+                                  f"distill.eval_data={{source: {data}, split: 'train[-8:]'}}", "distill.eval_steps=2",
+                                  "distill.max_steps=3", "distill.batch_size=8", "distill.logging_steps=1"])
+    final = run_distill(recipe, tmp_path / "run" / "distill")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "distill" / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert sorted(scored) == [2, 3], rows
+    held_out = sft_dataset(DataSpec(source=str(data), split="train[-8:]"), recipe.prompt_instruction)
+    model = load_pretrained(str(final), torch.float32)
+    expected = completion_loss(model, AutoTokenizer.from_pretrained(str(final)), held_out, torch.device("cpu"))
+    assert scored[3] == pytest.approx(expected.loss, rel=1e-4), (scored, expected)
+    assert scored[2] != pytest.approx(scored[3], rel=1e-6)  # the model of step 2, not the final one, at step 2

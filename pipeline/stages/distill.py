@@ -30,11 +30,15 @@ logger = logging.getLogger(__name__)
 
 def sft_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SFTConfig:
     cfg = recipe.distill
+    batch = distill_batching(recipe, world()[1])
     args = SFTConfig(**{
-        **trainer_options(recipe, cfg, SFTConfig, out_dir, device, distill_batching(recipe, world()[1]), fsdp),
+        **trainer_options(recipe, cfg, SFTConfig, out_dir, device, batch, fsdp),
         "max_length": cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (drop_overlong)
         "padding_free": True,
         "completion_only_loss": True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
+        # the held-out solutions at the training micro-batch (packed rows as in training), never the teacher's loss
+        **({"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps,
+            "per_device_eval_batch_size": batch.micro, "prediction_loss_only": True} if cfg.eval_data else {}),
     })
     fsdp_precision(args)
     return args
@@ -107,6 +111,9 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, e
     device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
     dataset, dropped = drop_overlong(sft_dataset(cfg.data, recipe.prompt_instruction), tokenizer, cfg.max_length)
+    held_out = None
+    if cfg.eval_data is not None:
+        held_out, _ = drop_overlong(sft_dataset(cfg.eval_data, recipe.prompt_instruction), tokenizer, cfg.max_length)
     teacher = load_teacher(recipe.model, TRAINING_DTYPE).to(device) if cfg.teacher_kl else None
     fsdp = uses_fsdp(recipe, model, device, world()[1])
     trainer = SSESFTTrainer(
@@ -114,12 +121,15 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, e
         teacher=teacher, teacher_kl=cfg.teacher_kl, kd_temperature=cfg.kd_temperature,
         args=sft_config(recipe, out_dir, device, fsdp),
         train_dataset=dataset,
+        eval_dataset=held_out,
         processing_class=tokenizer,
         callbacks=[*callbacks(recipe, "distill", out_dir), *extra_callbacks],
     )
     result, weights = fit("distill", recipe, out_dir, trainer)
+    if held_out is not None and trainer.state.global_step % trainer.args.eval_steps:  # the final model's, logged
+        trainer.evaluate()
     return finish("distill", out_dir, trainer, tokenizer, weights,
-                  ["loss", "ce", "teacher_kl", "balance_loss", "learning_rate", "grad_norm"],
+                  ["loss", "ce", "teacher_kl", "eval_loss", "balance_loss", "learning_rate", "grad_norm"],
                   {"train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})
 
 
@@ -138,6 +148,8 @@ class DistillStage(Stage):
 
     def preflight(self, recipe: Recipe) -> None:
         check_data_source("distill.data", recipe.distill.data)
+        if recipe.distill.eval_data is not None:
+            check_data_source("distill.eval_data", recipe.distill.eval_data)
 
     def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str:
         import ray
