@@ -45,8 +45,9 @@ from common.files import atomic_write
 from pipeline.metrics import first_last_means, read_metrics
 from pipeline.recipe import load_recipe
 
-# the distillation's last logged values: its loss (CE, or the mix with the teacher's KL), and with a teacher both parts
-DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy")
+# the distillation's last logged values: its loss (CE, or the mix with the teacher's KL), and with a teacher both parts;
+# the held-out solutions' loss (distill.eval_data), where conversion's settings are chosen
+DISTILL_KEYS = ("loss", "ce", "teacher_kl", "mean_token_accuracy", "eval_loss")
 GRPO_KEYS = {"reward": "reward", "completion tokens": "completions/mean_length", "clipped": "completions/clipped_ratio"}
 GRPO_LOGS = 8  # GRPO's curves are noisy: the mean of the first and of the last 8 logged steps
 RUN_ENV = {"RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}  # each run a Ray of its own, whatever else runs
@@ -190,8 +191,8 @@ def collect(folder: Path) -> dict:
 def markdown(rows: dict[str, dict], variants: list[Variant], common: list[str], shared: str | None) -> str:
     """Two tables: each variant's training (distillation's last logged metrics, GRPO's curves), and each evaluated
     model's accuracies."""
-    lines = ["| variant | overrides | wall s | distill loss | CE | KL to teacher | token acc | GRPO reward "
-             "| completion tokens | clipped |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | overrides | wall s | distill loss | CE | KL to teacher | token acc | held-out loss "
+             "| GRPO reward | completion tokens | clipped |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = rows[v.name]
         d, g = r.get("distill", {}), r.get("grpo", {})

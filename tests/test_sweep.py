@@ -62,7 +62,8 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     common = ["distill.data.max_samples=32", "distill.epochs=1", "distill.batch_size=8", "distill.logging_steps=1",
               "grpo.steps=1", "grpo.save_steps=1", "grpo.prompts_per_batch=2", "grpo.num_generations=2",
               "grpo.max_completion_length=32", "eval.models=[last,distill]", "eval.benchmarks=[arithmetic]",
-              "eval.limit=2", "eval.repeats=1"]
+              "eval.limit=2", "eval.repeats=1", "distill.eval_data={source: 'builtin:arithmetic?terms=2', "
+              "max_samples: 8, seed: 9}"]
     code = main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "slow", "distill.learning_rate=1e-5",
                  "--variant", "fast", "--parallel", "2"])
     assert code == 0, [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
@@ -74,6 +75,7 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
         assert set(result[name]["grpo"]) == {"reward", "completion tokens", "clipped"}
     # the lower learning rate leaves the loss higher: each row is its own run's
     assert result["slow"]["distill"]["loss"] > result["fast"]["distill"]["loss"]
+    assert result["slow"]["distill"]["eval_loss"] > result["fast"]["distill"]["eval_loss"]  # held out, each its own
     table = (tmp_path / "sweep.md").read_text()
     assert "| slow | `distill.learning_rate=1e-5` |" in table and "| fast | (the recipe's) |" in table
     assert "| fast | distill | " in table and "| slow | last | " in table
