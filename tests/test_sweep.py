@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from scripts.sweep import Variant, _run_all, commands, main, parse_variant
+from scripts.sweep import Variant, _run_all, collect, commands, main, markdown, parse_variant
 
 
 def test_variants_start_from_the_shared_align_stage(tmp_path):
@@ -62,8 +62,7 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     common = ["distill.data.max_samples=32", "distill.epochs=1", "distill.batch_size=8", "distill.logging_steps=1",
               "grpo.steps=1", "grpo.save_steps=1", "grpo.prompts_per_batch=2", "grpo.num_generations=2",
               "grpo.max_completion_length=32", "eval.models=[last,distill]", "eval.benchmarks=[arithmetic]",
-              "eval.limit=2", "eval.repeats=1", "distill.eval_data={source: 'builtin:arithmetic?terms=2', "
-              "max_samples: 8, seed: 9}"]
+              "eval.limit=2", "eval.repeats=1"]
     code = main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "slow", "distill.learning_rate=1e-5",
                  "--variant", "fast", "--parallel", "2"])
     assert code == 0, [p.read_text()[-2000:] for p in tmp_path.glob("*.log")]
@@ -75,7 +74,6 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
         assert set(result[name]["grpo"]) == {"reward", "completion tokens", "clipped"}
     # the lower learning rate leaves the loss higher: each row is its own run's
     assert result["slow"]["distill"]["loss"] > result["fast"]["distill"]["loss"]
-    assert result["slow"]["distill"]["eval_loss"] > result["fast"]["distill"]["eval_loss"]  # held out, each its own
     table = (tmp_path / "sweep.md").read_text()
     assert "| slow | `distill.learning_rate=1e-5` |" in table and "| fast | (the recipe's) |" in table
     assert "| fast | distill | " in table and "| slow | last | " in table
@@ -139,3 +137,17 @@ def test_a_parallel_below_one_is_refused_and_logs_are_appended(tmp_path, capsys)
     for _ in range(2):
         _run_all(runs, tmp_path, 1)
     assert (tmp_path / "x.log").read_text().count("run\n") == 2
+
+
+def test_the_table_holds_the_held_out_loss_each_distillation_logged_last(tmp_path):
+    """``distill.eval_data``'s ``eval_loss`` (logged in records of its own) is a column: where conversion's settings
+    are chosen."""
+    (tmp_path / "a" / "distill").mkdir(parents=True)
+    rows = [{"step": 10, "loss": 1.0, "ce": 0.9}, {"step": 10, "eval_loss": 1.5}, {"step": 20, "loss": 0.8},
+            {"step": 20, "eval_loss": 1.4}]
+    (tmp_path / "a" / "distill" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = collect(tmp_path / "a")
+    assert row["distill"] == {"loss": 0.8, "ce": 0.9, "eval_loss": 1.4}
+    table = markdown({"a": {**row, "wall_s": 5.0, "returncode": 0}}, [Variant("a")], [], None)
+    header, _, line = table.splitlines()[:3]
+    assert dict(zip(header.split(" | "), line.split(" | ")))["held-out loss"] == "1.400"
