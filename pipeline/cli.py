@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "LABEL=PATH (paths under one label are draws of one arm); the first "
                                                 "arm is the reference of the table's ratio column")
     loss.add_argument("--data", default="gsm8k_train", help="a data source with problem + solution (as in recipes)")
+    loss.add_argument("--split", default="train", help="a part of the data, as recipes' data.split: train[-500:] "
+                                                       "is GSM8K train's held-out part in the SmolLM2 recipes")
     loss.add_argument("--first", type=int, default=24, help="how many records, from the start")
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
     loss.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from .lm_loss import main as loss_main
 
         try:
-            print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out))
+            print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out, args.split))
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

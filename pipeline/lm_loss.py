@@ -28,6 +28,7 @@ class LossResult:
     tokens: int
     records: int
     record_losses: list[float] = field(default_factory=list)  # each record's summed loss: what intervals resample
+    record_tokens: list[int] = field(default_factory=list)  # and its scored tokens
     label: str = ""  # the arm this model is a draw of (its name when given alone)
 
 
@@ -87,7 +88,7 @@ def completion_loss(model, tokenizer, dataset, device: torch.device, name: str =
     from tqdm.auto import tqdm
 
     model.eval().to(device)
-    sums, correct, count = [], 0, 0
+    sums, tokens, correct = [], [], 0
     for row in tqdm(dataset, desc=f"loss {name}", unit="record", dynamic_ncols=True, mininterval=10):
         ids, start = encode(tokenizer, row)
         x = torch.tensor([ids], device=device)
@@ -96,8 +97,9 @@ def completion_loss(model, tokenizer, dataset, device: torch.device, name: str =
         target = x[0, start:]
         sums.append(F.cross_entropy(logits, target, reduction="sum").item())
         correct += int((logits.argmax(-1) == target).sum())
-        count += target.numel()
-    return LossResult(name, sum(sums) / max(count, 1), correct / max(count, 1), count, len(dataset), sums)
+        tokens.append(target.numel())
+    count = sum(tokens)
+    return LossResult(name, sum(sums) / max(count, 1), correct / max(count, 1), count, len(dataset), sums, tokens)
 
 
 def markdown(arms: list[Arm], ratios: bool) -> str:
@@ -126,14 +128,15 @@ def parse_model(argument: str) -> tuple[str, str]:
     return label, path
 
 
-def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None) -> str:
+def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None,
+         split: str = "train") -> str:
     from .data import sft_dataset
     from .models import load_tokenizer, local_model, resolve_device
     from .recipe import DataSpec, Recipe, load_recipe
     from sse_model.checkpoint import load_pretrained
 
     recipe = load_recipe(recipe_name) if recipe_name else Recipe()
-    dataset = sft_dataset(DataSpec(source=data), recipe.prompt_instruction)
+    dataset = sft_dataset(DataSpec(source=data, split=split), recipe.prompt_instruction)
     dataset = dataset.select(range(min(first, len(dataset))))
     if first < 1:
         raise ValueError(f"--first {first}: score at least one record")
@@ -154,13 +157,14 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     arms = group(results)
     # losses per token compare only over one tokenizer's tokens
     comparable = len(arms) > 1 and len(vocabularies) == 1 and math.isfinite(arms[0].loss)
-    text = (f"Assistant-token loss on the first {len(dataset)} records of `{data}` (device {where}):\n\n"
+    part = "" if split == "train" else f", split `{split}`"
+    text = (f"Assistant-token loss on the first {len(dataset)} records of `{data}`{part} (device {where}):\n\n"
             f"{markdown(arms, comparable)}\n")
     if len(vocabularies) > 1:
         text += "\nThe models' tokenizers differ: each loss is per token of its own tokenizer, not comparable.\n"
     if out:
         Path(out).write_text(text)
         # every record's loss beside the table: intervals over other groupings need no GPU again
-        Path(out).with_suffix(".json").write_text(json.dumps({"data": data, "records": len(dataset),
+        Path(out).with_suffix(".json").write_text(json.dumps({"data": data, "split": split, "records": len(dataset),
                                                               "models": [asdict(r) for r in results]}))
     return text

@@ -160,8 +160,8 @@ class DistillConfig:
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(500, ge=1)
     save_total_limit: int | None = bounded(3, ge=1)
-    # held-out solutions scored with teacher forcing during training (``eval_loss`` in metrics.jsonl, the CE over
-    # their completion tokens): where settings are chosen, apart from training (e.g. a slice of its source,
+    # held-out solutions scored with teacher forcing during training (``eval_loss`` in metrics.jsonl, the mean over
+    # solutions of each one's CE per completion token): where settings are chosen, apart from training (e.g. a slice of its source,
     # ``split: train[-500:]`` beside ``train[:-500]``) and from the test sets. Every eval_steps and at the end
     eval_data: DataSpec | None = None
     eval_steps: int | None = bounded(None, ge=1)  # None: every save_steps

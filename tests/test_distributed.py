@@ -23,23 +23,27 @@ def _ray_down():
 
 def test_two_data_parallel_workers_train_like_one_process(tmp_path):
     """The distillation stage on 1 and on 2 workers (gloo, each with half the global batch of 8): the same loss
-    at every step and the same final weights. The balance loss is off: it is a product of batch means, so each
+    at every step, the same held-out loss and the same final weights. The balance loss is off: it is a product of batch means, so each
     worker's own differs from the whole batch's (as it does across micro-batches)."""
     from pipeline.run import run_recipe
     from sse_model.checkpoint import load_pretrained
 
     common = ["distill.data.max_samples=128", "distill.max_steps=4", "distill.batch_size=8", "distill.epochs=1",
               "distill.logging_steps=1", "distill.save_steps=100", "distill.warmup_ratio=0",
-              "model.config_overrides.aux_loss_coef=0.0", "ray.num_cpus=2"]
-    losses, finals = {}, {}
+              "model.config_overrides.aux_loss_coef=0.0", "ray.num_cpus=2", "distill.eval_steps=2",
+              "distill.eval_data={source: 'builtin:arithmetic?terms=2', max_samples: 10, seed: 9}"]
+    losses, finals, held_out = {}, {}, {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
         recipe = load_recipe("demo", [f"output_dir={out}", f"distill.num_workers={workers}", *common])
         run_recipe(recipe, ("distill",))
         losses[workers] = [r["loss"] for r in read_metrics(out / "distill" / "metrics.jsonl") if "loss" in r]
+        held_out[workers] = [r["eval_loss"] for r in read_metrics(out / "distill" / "metrics.jsonl") if "eval_loss" in r]
         finals[workers] = load_pretrained(out / "distill" / "final").state_dict()
     assert len(losses[1]) == 4 and losses[1][0] != losses[1][-1]
     assert losses[2] == pytest.approx(losses[1], rel=1e-4), (losses[1], losses[2])
+    # the held-out loss (10 solutions over 2 workers) is the same measure on any number of them
+    assert len(held_out[1]) == 2 and held_out[2] == pytest.approx(held_out[1], rel=1e-4), held_out
     # AdamW's normalised step (lr 3e-3) turns the rounding of a near-zero gradient, summed in another order by the
     # all-reduce, into up to a few percent of one step: 7e-5 on 2 of 8,192 weights with torch 2.13 on CPU
     for name, value in finals[1].items():

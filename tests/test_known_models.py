@@ -254,7 +254,8 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     assert len(rows) == 2 and rows[0].endswith("| 1.00 |") and str(path) in rows[0]
     # two draws under one label: one row, its ratio with an interval, every record's loss kept beside the table
     assert main(["loss", f"published={path}", f"trained={run / 'align' / 'final'}", f"trained={run / 'distill' / 'final'}",
-                 "--first", "3", "--device", "cpu", "--out", str(table)]) == 0
+                 "--split", "train[-3:]", "--first", "3", "--device", "cpu", "--out", str(table)]) == 0
+    assert "records of `gsm8k_train`, split `train[-3:]`" in table.read_text()
     rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][2:]
     assert [r.split(" | ")[:2] for r in rows] == [["| published", "1"], ["| trained", "2"]] and "-" in rows[1]
     kept = json.loads(table.with_suffix(".json").read_text())["models"]

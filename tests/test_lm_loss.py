@@ -10,7 +10,7 @@ from pipeline.lm_loss import LossResult, group, markdown, parse_model, ratio_int
 
 def draw(label: str, record_losses: list[float], tokens: int = 100) -> LossResult:
     return LossResult(f"runs/{label}/{len(record_losses)}", sum(record_losses) / tokens, 0.5, tokens,
-                      len(record_losses), record_losses, label)
+                      len(record_losses), record_losses=record_losses, label=label)
 
 
 def test_models_are_paths_or_labelled_paths():

@@ -921,7 +921,8 @@ def test_a_file_split_is_sliced_as_datasets_slices_a_hub_split(tmp_path):
 
 def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_path):
     """``distill.eval_data``: the held-out solutions' teacher-forced loss in metrics.jsonl every ``eval_steps`` and
-    for the final model, equal to what ``sse-pipeline loss`` gives that model on the same records."""
+    for the final model: the mean over solutions of each one's loss per token, as ``sse-pipeline loss`` scores
+    that model's records."""
     import torch
 
     from pipeline.data import sft_dataset
@@ -943,5 +944,6 @@ def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_pat
     held_out = sft_dataset(DataSpec(source=str(data), split="train[-8:]"), recipe.prompt_instruction)
     model = load_pretrained(str(final), torch.float32)
     expected = completion_loss(model, AutoTokenizer.from_pretrained(str(final)), held_out, torch.device("cpu"))
-    assert scored[3] == pytest.approx(expected.loss, rel=1e-4), (scored, expected)
+    per_record = [loss / n for loss, n in zip(expected.record_losses, expected.record_tokens)]
+    assert scored[3] == pytest.approx(sum(per_record) / len(per_record), rel=1e-4), (scored, expected)
     assert scored[2] != pytest.approx(scored[3], rel=1e-6)  # the model of step 2, not the final one, at step 2

@@ -30,15 +30,15 @@ logger = logging.getLogger(__name__)
 
 def sft_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SFTConfig:
     cfg = recipe.distill
-    batch = distill_batching(recipe, world()[1])
     args = SFTConfig(**{
-        **trainer_options(recipe, cfg, SFTConfig, out_dir, device, batch, fsdp),
+        **trainer_options(recipe, cfg, SFTConfig, out_dir, device, distill_batching(recipe, world()[1]), fsdp),
         "max_length": cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (drop_overlong)
         "padding_free": True,
         "completion_only_loss": True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
-        # the held-out solutions at the training micro-batch (packed rows as in training), never the teacher's loss
+        # the held-out solutions one at a time: the Trainer averages its batches' losses, so eval_loss is the mean over
+        # solutions of each one's loss per token, the same on any number of workers (never the teacher's loss)
         **({"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps,
-            "per_device_eval_batch_size": batch.micro, "prediction_loss_only": True} if cfg.eval_data else {}),
+            "per_device_eval_batch_size": 1, "prediction_loss_only": True} if cfg.eval_data else {}),
     })
     fsdp_precision(args)
     return args
