@@ -163,6 +163,7 @@ class DistillConfig:
     # held-out solutions scored with teacher forcing during training (``eval_loss`` in metrics.jsonl, the mean over
     # solutions of each one's CE per completion token): where settings are chosen, apart from training (e.g. a slice of its source,
     # ``split: train[-500:]`` beside ``train[:-500]``) and from the test sets. Every eval_steps and at the end
+    # (transformers evaluates the last step too)
     eval_data: DataSpec | None = None
     eval_steps: int | None = bounded(None, ge=1)  # None: every save_steps
 

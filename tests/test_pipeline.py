@@ -932,15 +932,19 @@ def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_pat
     from transformers import AutoTokenizer
 
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"{i}+{i % 7}?", "solution": f"{i}+{i % 7}={i + i % 7} "
-                                        f"\\boxed{{{i + i % 7}}}"}) + "\n" for i in range(48)))
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i % 7}?", "solution": f"{i}+{i % 7}={i + i % 7}" + " so"
+                                        * (i % 5) + f" \\boxed{{{i + i % 7}}}"}) + "\n" for i in range(48)))
     recipe = load_recipe("demo", [f"output_dir={tmp_path / 'run'}", f"distill.data={{source: {data}, split: 'train[:-8]'}}",
                                   f"distill.eval_data={{source: {data}, split: 'train[-8:]'}}", "distill.eval_steps=2",
-                                  "distill.max_steps=3", "distill.batch_size=8", "distill.logging_steps=1"])
+                                  "distill.max_steps=3", "distill.batch_size=8", "distill.logging_steps=1",
+                                  "distill.packing=true"])  # as the SmolLM2 recipes train: held-out rows not packed
     final = run_distill(recipe, tmp_path / "run" / "distill")
     rows = [json.loads(line) for line in (tmp_path / "run" / "distill" / "metrics.jsonl").read_text().splitlines()]
-    scored = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
-    assert sorted(scored) == [2, 3], rows
+    evaluations = [r for r in rows if "eval_loss" in r]
+    scored = {r["step"]: r["eval_loss"] for r in evaluations}
+    assert [r["step"] for r in evaluations] == [2, 3], rows  # every eval_steps and the last step, once each
+    # the 8 solutions one at a time, not packed into rows as training packs them
+    assert all(round(r["eval_runtime"] * r["eval_samples_per_second"]) == 8 for r in evaluations), evaluations
     held_out = sft_dataset(DataSpec(source=str(data), split="train[-8:]"), recipe.prompt_instruction)
     model = load_pretrained(str(final), torch.float32)
     expected = completion_loss(model, AutoTokenizer.from_pretrained(str(final)), held_out, torch.device("cpu"))

@@ -38,7 +38,8 @@ def sft_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SFT
         # the held-out solutions one at a time: the Trainer averages its batches' losses, so eval_loss is the mean over
         # solutions of each one's loss per token, the same on any number of workers (never the teacher's loss)
         **({"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps,
-            "per_device_eval_batch_size": 1, "prediction_loss_only": True} if cfg.eval_data else {}),
+            "per_device_eval_batch_size": 1, "eval_packing": False, "prediction_loss_only": True}
+           if cfg.eval_data else {}),
     })
     fsdp_precision(args)
     return args
@@ -126,8 +127,6 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, e
         callbacks=[*callbacks(recipe, "distill", out_dir), *extra_callbacks],
     )
     result, weights = fit("distill", recipe, out_dir, trainer)
-    if held_out is not None and trainer.state.global_step % trainer.args.eval_steps:  # the final model's, logged
-        trainer.evaluate()
     return finish("distill", out_dir, trainer, tokenizer, weights,
                   ["loss", "ce", "teacher_kl", "eval_loss", "balance_loss", "learning_rate", "grad_norm"],
                   {"train_loss": result.training_loss, "samples": len(dataset), "dropped_overlong": dropped})
