@@ -157,6 +157,9 @@ class DistillConfig:
     # loss = (1 - teacher_kl) * CE + teacher_kl * T^2 * KL(teacher_T || student_T) (0: supervised only)
     teacher_kl: float = bounded(0.0, ge=0, le=1)
     kd_temperature: float = bounded(1.0, gt=0)
+    # what trains: every weight, or (a converted model) only its SSE layers' token mixers, the rest of the
+    # Transformer it came from frozen, as alignment trains (sse_model/align.py): less of the source to forget
+    train: str = bounded("all", choices=("all", "sse"))
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(500, ge=1)
     save_total_limit: int | None = bounded(3, ge=1)

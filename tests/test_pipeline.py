@@ -951,3 +951,26 @@ def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_pat
     per_record = [loss / n for loss, n in zip(expected.record_losses, expected.record_tokens)]
     assert scored[3] == pytest.approx(sum(per_record) / len(per_record), rel=1e-4), (scored, expected)
     assert scored[2] != pytest.approx(scored[3], rel=1e-6)  # the model of step 2, not the final one, at step 2
+
+
+def test_distilling_only_the_sse_layers_leaves_the_rest_of_the_model_as_it_was(tmp_path):
+    """``distill.train: sse``: the SSE layers' token mixers train, every other weight (embeddings, MLPs, norms, the
+    softmax attention layers) stays the starting model's; a model without SSE layers is refused."""
+    import torch
+
+    from pipeline.models import TRAINING_DTYPE, load_model
+    from sse_model.checkpoint import load_pretrained
+
+    overrides = ["distill.data.max_samples=16", "distill.batch_size=8", "distill.max_steps=2", "distill.train=sse"]
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'a'}", *overrides])
+    model = load_model(recipe.model, None, seed=recipe.seed, dtype=TRAINING_DTYPE)[0]
+    start, kinds = model.state_dict(), model.config.mixer_types
+    final = load_pretrained(str(run_distill(recipe, tmp_path / "a" / "distill")), torch.float32).state_dict()
+    trained = tuple(f"model.layers.{i}.attn." for i, kind in enumerate(kinds) if kind == "sse")
+    changed = {name for name, value in final.items() if not torch.equal(value, start[name])}
+    assert trained and changed and all(name.startswith(trained) for name in changed), changed
+    assert any(".q_proj." in name for name in changed) and any(".o_proj." in name for name in changed)
+    attention = load_recipe("demo", [f"output_dir={tmp_path / 'b'}", *overrides,
+                                     f"model.config_overrides.mixer_types=[{', '.join(['attn'] * len(kinds))}]"])
+    with pytest.raises(RecipeError, match="distill.train: sse: the model has no SSE layer"):
+        run_distill(attention, tmp_path / "b" / "distill")

@@ -21,7 +21,7 @@ from ..distributed import world
 from ..models import (TRAINING_DTYPE, fsdp_precision, load_model, load_teacher, trainer_options, training_device,
                       uses_fsdp)
 from ..batching import distill_batching
-from ..recipe import Recipe
+from ..recipe import Recipe, RecipeError
 from .base import (Stage, callbacks, check_data_source, done, finish, fit, hand_on, loss_highlight, record_start,
                    stored, task_setup)
 
@@ -111,6 +111,12 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, e
     cfg = recipe.distill
     device = training_device(recipe)
     model, tokenizer = load_model(recipe.model, start_from, seed=recipe.seed, dtype=TRAINING_DTYPE)
+    if cfg.train == "sse":
+        from sse_model.align import freeze_all_but_aligned
+
+        if not freeze_all_but_aligned(model, "all"):
+            raise RecipeError("distill.train: sse: the model has no SSE layer (every layer is softmax attention); "
+                              "train: all")
     dataset, dropped = drop_overlong(sft_dataset(cfg.data, recipe.prompt_instruction), tokenizer, cfg.max_length)
     held_out = None
     if cfg.eval_data is not None:
