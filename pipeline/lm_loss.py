@@ -82,22 +82,58 @@ def encode(tokenizer, row: dict) -> tuple[list[int], int]:
     return ids, len(prompt)
 
 
+PACK_TOKENS = 8192  # tokens of records scored in one forward of an SSE model (its logits kept only where scored)
+
+
+def packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive records grouped up to ``budget`` tokens a group (a longer record alone)."""
+    groups, size = [], 0
+    for i, n in enumerate(lengths):
+        if not groups or size + n > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
 @torch.no_grad()
-def completion_loss(model, tokenizer, dataset, device: torch.device, name: str = "model") -> LossResult:
-    """Teacher-forced loss and top-1 accuracy over the completions of ``dataset`` (one record per forward)."""
+def completion_loss(model, tokenizer, dataset, device: torch.device, name: str = "model",
+                    pack_tokens: int = PACK_TOKENS) -> LossResult:
+    """Teacher-forced loss and top-1 accuracy over the completions of ``dataset``. An SSE model reads records packed
+    into rows of up to ``pack_tokens`` (position ids restarting at each record: no state or attention crosses one),
+    as distillation reads them; another model (a transformers Llama) one record a forward."""
     from tqdm.auto import tqdm
 
+    from sse_model import SSEForCausalLM
+
     model.eval().to(device)
+    encoded = [encode(tokenizer, row) for row in dataset]
+    budget = pack_tokens if isinstance(model, SSEForCausalLM) else 1
     sums, tokens, correct = [], [], 0
-    for row in tqdm(dataset, desc=f"loss {name}", unit="record", dynamic_ncols=True, mininterval=10):
-        ids, start = encode(tokenizer, row)
-        x = torch.tensor([ids], device=device)
+    bar = tqdm(total=len(encoded), desc=f"loss {name}", unit="record", dynamic_ncols=True, mininterval=10)
+    for group in packs([len(ids) for ids, _ in encoded], budget):
+        records = [encoded[i] for i in group]
+        x = torch.tensor([[t for ids, _ in records for t in ids]], device=device)
+        positions = torch.tensor([[p for ids, _ in records for p in range(len(ids))]], device=device)
+        keep, offset = [], 0  # the positions that predict a solution token, and where each record's end
+        for ids, start in records:
+            keep.append(torch.arange(offset + start - 1, offset + len(ids) - 1, device=device))
+            offset += len(ids)
+        keep = torch.cat(keep)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(input_ids=x, use_cache=False).logits[0, start - 1:-1].float()
-        target = x[0, start:]
-        sums.append(F.cross_entropy(logits, target, reduction="sum").item())
+            if len(records) > 1:
+                logits = model(input_ids=x, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
+            else:
+                logits = model(input_ids=x, use_cache=False).logits[0, keep]
+        target = x[0, keep + 1]
+        losses = F.cross_entropy(logits.float(), target, reduction="none")
+        counts = [len(ids) - start for ids, start in records]
+        sums += [part.sum().item() for part in losses.split(counts)]
+        tokens += counts
         correct += int((logits.argmax(-1) == target).sum())
-        tokens.append(target.numel())
+        bar.update(len(records))
+    bar.close()
     count = sum(tokens)
     return LossResult(name, sum(sums) / max(count, 1), correct / max(count, 1), count, len(dataset), sums, tokens)
 

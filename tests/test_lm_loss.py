@@ -52,3 +52,31 @@ def test_the_table_gives_each_arm_a_row_and_the_first_as_reference():
     assert rows[0].startswith("| T | 1 |") and rows[0].endswith("| 1.00 |")
     assert rows[1].startswith("| S | 2 |") and "| 1.250 (1.200-1.300) |" in rows[1], rows[1]
     assert "x first" not in markdown(arms, ratios=False)
+
+
+def test_packed_records_score_as_each_record_alone():
+    """An SSE model reads records packed into rows (position ids restarting at each): each record's summed loss and
+    token count equal those of the record alone, so packing is only speed."""
+    import torch
+    from datasets import Dataset
+
+    from pipeline.lm_loss import completion_loss, encode, packs
+    from pipeline.models import load_model
+    from pipeline.recipe import load_recipe
+
+    assert packs([3, 4, 2, 9, 1], 7) == [[0, 1], [2], [3], [4]]  # a record over the budget alone
+    assert packs([5, 5, 5], 1) == [[0], [1], [2]]
+    recipe = load_recipe("demo")
+    model, tokenizer = load_model(recipe.model, None, seed=0)
+    rng = random.Random(3)
+    rows = [{"prompt": [{"role": "user", "content": f"{rng.randint(1, 999)}+{rng.randint(1, 99)}?"}],
+             "completion": [{"role": "assistant", "content": "so " * rng.randint(1, 12) + f"{rng.randint(1, 999)}"}]}
+            for _ in range(9)]
+    data = Dataset.from_list(rows)
+    lengths = [len(encode(tokenizer, row)[0]) for row in rows]
+    assert max(map(len, packs(lengths, 120))) >= 3  # rows of several records
+    alone = completion_loss(model, tokenizer, data, torch.device("cpu"), pack_tokens=1)
+    packed = completion_loss(model, tokenizer, data, torch.device("cpu"), pack_tokens=120)
+    assert packed.record_tokens == alone.record_tokens
+    assert packed.record_losses == pytest.approx(alone.record_losses, rel=1e-4, abs=1e-4)
+    assert packed.accuracy == alone.accuracy
