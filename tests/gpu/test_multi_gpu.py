@@ -76,17 +76,22 @@ def test_colocated_grpo_on_two_gpus_shares_weights_by_cuda_ipc(tmp_path):
 
 
 def test_fsdp_distillation_and_grpo_on_two_gpus(tmp_path):
-    """sharding=fsdp: distillation and GRPO's trainer on 2 workers under FSDP2 (accelerate); the engines get the
-    gathered weights (their greedy tokens are the final model's) and the final model loads on one GPU."""
+    """sharding=fsdp: distillation and GRPO's trainer on 2 workers under FSDP2 (accelerate), the distillation
+    scoring held-out solutions on both; the engines get the gathered weights (their greedy tokens are the final
+    model's) and the final model loads on one GPU."""
     from pipeline.rollout import Engine, SamplingParams
     from sse_model.checkpoint import load_pretrained
 
     recipe = load_recipe("gpu-100m", [f"output_dir={tmp_path}", *SMALL, "sharding=fsdp", "distill.max_steps=4",
                                       "distill.logging_steps=1", "distill.save_steps=2", "grpo.steps=2",
-                                      "grpo.prompts_per_batch=4", "grpo.save_steps=1", "eval.enabled=false"])
+                                      "grpo.prompts_per_batch=4", "grpo.save_steps=1", "eval.enabled=false",
+                                      "distill.eval_data={source: 'builtin:arithmetic', max_samples: 9, seed: 9}",
+                                      "distill.eval_steps=2"])
     run_recipe(recipe, ("distill", "grpo"))
     losses = [r["loss"] for r in read_metrics(tmp_path / "distill" / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0]
+    held_out = [r for r in read_metrics(tmp_path / "distill" / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in held_out] == [2, 4] and held_out[1]["eval_loss"] < held_out[0]["eval_loss"], held_out
     final = load_pretrained(tmp_path / "grpo" / "final")
     assert final.model.embeddings.weight.shape[1] == 256  # whole, not a shard
     engine = Engine(final.cuda(), None, max_slots=2, max_model_len=64)
