@@ -82,6 +82,20 @@ def encode(tokenizer, row: dict) -> tuple[list[int], int]:
     return ids, len(prompt)
 
 
+def packed_reader(model):
+    """A transformers Llama/Qwen2 as an all-attention model of this package, which computes what it computes
+    (``sse_model.convert``, as distillation's teacher) and reads packed records; any other model as it is."""
+    from sse_model import SSEForCausalLM
+    from sse_model.convert import convert_to_sse
+
+    if isinstance(model, SSEForCausalLM):
+        return model
+    try:
+        return convert_to_sse(model, mixer_types=["attn"] * model.config.num_hidden_layers)
+    except (AttributeError, KeyError, ValueError):  # an architecture conversion does not read: one record a forward
+        return model
+
+
 PACK_TOKENS = 8192  # tokens of records scored in one forward of an SSE model (its logits kept only where scored)
 
 
@@ -185,7 +199,7 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     for label, name, path in named:
         tokenizer = load_tokenizer(None, path)  # each model its own: another's ids would be noise to it
         vocabularies.add(hash(frozenset(tokenizer.get_vocab().items())))
-        model = load_pretrained(path, torch.float32)
+        model = packed_reader(load_pretrained(path, torch.float32))
         result = completion_loss(model, tokenizer, dataset, where, name)
         result.label = label
         results.append(result)

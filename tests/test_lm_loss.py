@@ -80,3 +80,31 @@ def test_packed_records_score_as_each_record_alone():
     assert packed.record_tokens == alone.record_tokens
     assert packed.record_losses == pytest.approx(alone.record_losses, rel=1e-4, abs=1e-4)
     assert packed.accuracy == alone.accuracy
+
+
+def test_a_transformers_llama_is_scored_packed_as_the_model_it_converts_to():
+    """A transformers Llama reads records one a forward; as the all-attention model it converts to (what ``loss``
+    scores it as) it reads them packed, with the same loss for every record."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.lm_loss import completion_loss, packed_reader
+    from pipeline.tokenizer import build_char_tokenizer
+    from sse_model import SSEForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, tie_word_embeddings=False)).eval()
+    rng = random.Random(5)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{rng.randint(1, 999)}?"}],
+                               "completion": [{"role": "assistant", "content": "ok " * rng.randint(1, 9)}]}
+                              for _ in range(7)])
+    alone = completion_loss(llama, tokenizer, data, torch.device("cpu"))
+    reader = packed_reader(llama)
+    assert isinstance(reader, SSEForCausalLM) and packed_reader(reader) is reader
+    packed = completion_loss(reader, tokenizer, data, torch.device("cpu"), pack_tokens=200)
+    assert packed.record_tokens == alone.record_tokens
+    assert packed.record_losses == pytest.approx(alone.record_losses, rel=1e-4, abs=1e-4)
