@@ -151,3 +151,24 @@ def test_the_table_holds_the_held_out_loss_each_distillation_logged_last(tmp_pat
     table = markdown({"a": {**row, "wall_s": 5.0, "returncode": 0}}, [Variant("a")], [], None)
     header, _, line = table.splitlines()[:3]
     assert dict(zip(header.split(" | "), line.split(" | ")))["held-out loss"] == "1.400"
+
+
+def test_a_run_out_of_gpu_memory_beside_others_runs_again_alone(tmp_path):
+    """Four SmolLM2 runs side by side on one H200: one ran out of memory and the sweep reported it failed. Now it
+    runs once more when the others are done (its first run printed PyTorch's error); one alone that runs out is not
+    repeated, nor is a run that failed otherwise."""
+    oom = ("import sys, time, pathlib; mark = pathlib.Path(sys.argv[1]); first = not mark.exists(); mark.touch(); "
+           "open(sys.argv[2], 'a').write(f'{time.time()}\\n'); "
+           "first and sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.34 GiB')")
+    busy = "import sys, time; time.sleep(1.5); open(sys.argv[1], 'w').write(str(time.time()))"
+    runs = {"crowded": [sys.executable, "-c", oom, str(tmp_path / "mark"), str(tmp_path / "starts")],
+            "busy": [sys.executable, "-c", busy, str(tmp_path / "busy_end")],
+            "broken": [sys.executable, "-c", "import sys; sys.exit('KeyError: nothing to do with memory')"]}
+    results = _run_all(runs, tmp_path, 3)
+    assert results["crowded"] == {**results["crowded"], "returncode": 0, "retried": True}
+    starts = [float(t) for t in (tmp_path / "starts").read_text().split()]
+    assert len(starts) == 2 and starts[1] >= float((tmp_path / "busy_end").read_text())  # after the other ended
+    assert results["broken"]["returncode"] == 1 and "retried" not in results["broken"]
+    (tmp_path / "mark").unlink()
+    alone = _run_all({"crowded": runs["crowded"]}, tmp_path, 3)
+    assert alone["crowded"]["returncode"] == 1 and "retried" not in alone["crowded"]
