@@ -130,7 +130,7 @@ def completion_loss(model, tokenizer, dataset, device: torch.device, name: str =
         records = [encoded[i] for i in group]
         x = torch.tensor([[t for ids, _ in records for t in ids]], device=device)
         positions = torch.tensor([[p for ids, _ in records for p in range(len(ids))]], device=device)
-        keep, offset = [], 0  # the positions that predict a solution token, and where each record's end
+        keep, offset = [], 0  # the positions that predict a solution token; where the record starts in the row
         for ids, start in records:
             keep.append(torch.arange(offset + start - 1, offset + len(ids) - 1, device=device))
             offset += len(ids)
