@@ -72,19 +72,27 @@ def split_slice(split: str, size: int) -> slice:
     return slice(bound(start, start_pct), bound(stop, stop_pct))
 
 
+def check_split(spec: DataSpec) -> None:
+    """A generator's or a file's split as :func:`_load_records` reads it (a hub dataset's splits are its own)."""
+    if spec.source.startswith("builtin:"):
+        if spec.split != "train":
+            raise ValueError(f"split {spec.split!r}: a builtin generator has no splits (another seed draws other "
+                             f"problems)")
+    elif spec.source in PACKAGED or Path(spec.source).exists():
+        split_slice(spec.split, 1)
+
+
 def _load_records(spec: DataSpec) -> list[dict]:
     source = spec.source
+    try:
+        check_split(spec)
+    except ValueError as err:
+        raise ValueError(f"data source {source!r}: {err}") from None
     if source.startswith("builtin:"):
-        if spec.split != "train":
-            raise ValueError(f"data source {source!r}: split {spec.split!r}: a builtin generator has no splits "
-                             f"(another seed draws other problems)")
         return builtin_records(source, spec)
     if source in PACKAGED or Path(source).exists():
         records = [record for _, record in read_records(PACKAGED.get(source) or Path(source))]
-        try:
-            return records[split_slice(spec.split, len(records))]
-        except ValueError as err:
-            raise ValueError(f"data source {source!r}: {err}") from None
+        return records[split_slice(spec.split, len(records))]
     try:
         import datasets
 

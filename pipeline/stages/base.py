@@ -210,20 +210,16 @@ def check_engine_installed(stage: str, engine) -> None:
 def check_data_source(key: str, spec) -> None:
     """Every source of a data spec (its mix's too) as :func:`check_source` reads it; builtins and the packaged sets
     are always there."""
-    from ..data import PACKAGED, split_slice
+    from ..data import PACKAGED, check_split
 
     for i, part in enumerate([spec, *spec.mix]):
         where = key if i == 0 else f"{key}.mix[{i - 1}]"
-        builtin = part.source.startswith("builtin:")
-        file = None if builtin or part.source in PACKAGED else check_source(f"{where}.source", part.source)
-        if builtin and part.split != "train":
-            raise RecipeError(f"{where}.split: {part.split!r}: a builtin generator has no splits (another seed "
-                              f"draws other problems)")
-        if not builtin and (part.source in PACKAGED or file is not None):  # a hub dataset's splits are its own
-            try:
-                split_slice(part.split, 1)
-            except ValueError as err:
-                raise RecipeError(f"{where}.split: {err}") from None
+        if not (part.source.startswith("builtin:") or part.source in PACKAGED):
+            check_source(f"{where}.source", part.source)
+        try:
+            check_split(part)
+        except ValueError as err:
+            raise RecipeError(f"{where}.split: {err}") from None
 
 
 def check_source(key: str, name: str, instead: str = "") -> Path | None:
