@@ -213,8 +213,10 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     if len(vocabularies) > 1:
         text += "\nThe models' tokenizers differ: each loss is per token of its own tokenizer, not comparable.\n"
     if out:
-        Path(out).write_text(text)
+        from common.files import atomic_write
+
+        atomic_write(Path(out), text)
         # every record's loss beside the table: intervals over other groupings need no GPU again
-        Path(out).with_suffix(".json").write_text(json.dumps({"data": data, "split": split, "records": len(dataset),
-                                                              "models": [asdict(r) for r in results]}))
+        atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split, "records": len(dataset),
+                                                                 "models": [asdict(r) for r in results]}))
     return text
