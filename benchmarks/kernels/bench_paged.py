@@ -12,7 +12,8 @@ tensor, then SDPA with the validity mask); the roofline reads every cached key a
 bandwidth.
 
 ``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``), each in both
-orientations of its score product (``keys_as_rows``), against each dtype's roofline.
+orientations of its score product (``keys_as_rows``) and without matrix products (``fma``: products summed on the
+CUDA cores, one query head per KV head as these shapes have), against each dtype's roofline.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def gather_path(q, pool_k, pool_v, tables, lengths):
 
 
 def orientations(shapes: list[str], bandwidth: float) -> None:
-    """The kernel's two orientations on bf16 and float8 pools: ms and x each dtype's roofline."""
+    """The kernel's ways (two orientations of its products, and none) on bf16 and float8 pools: ms and x each
+    dtype's roofline."""
     from pipeline.rollout.cache import to_kv
 
-    print("| sequences x tokens | KV | keys as rows | kernel ms | roofline ms | x roofline | max abs diff to bf16 |")
+    print("| sequences x tokens | KV | products | kernel ms | roofline ms | x roofline | max abs diff to bf16 |")
     print("|---|---|---|---|---|---|---|")
     for shape in shapes:
         B, T = map(int, shape.split("x"))
@@ -58,11 +60,11 @@ def orientations(shapes: list[str], bandwidth: float) -> None:
         for name, (k, v) in (("bf16", (pool_k, pool_v)),
                              ("float8", (to_kv(pool_k, torch.float8_e4m3fn), to_kv(pool_v, torch.float8_e4m3fn)))):
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
-            for keys_as_rows in (False, True):
-                out = paged_decode_attention(q, k, v, tables, lengths, keys_as_rows=keys_as_rows)
-                ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, keys_as_rows=keys_as_rows))
+            for way, options in (("dot", {}), ("dot, keys as rows", {"keys_as_rows": True}), ("fma", {"fma": True})):
+                out = paged_decode_attention(q, k, v, tables, lengths, **options)
+                ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
                 diff = (out.float() - reference).abs().max().item()
-                print(f"| {B} x {T} | {name} | {keys_as_rows} | {ms:.3f} | {roofline:.3f} | {ms / roofline:.2f}x | "
+                print(f"| {B} x {T} | {name} | {way} | {ms:.3f} | {roofline:.3f} | {ms / roofline:.2f}x | "
                       f"{diff:.1e} |", flush=True)
 
 
