@@ -163,10 +163,10 @@ class DistillConfig:
     logging_steps: int = bounded(10, ge=1)
     save_steps: int = bounded(500, ge=1)
     save_total_limit: int | None = bounded(3, ge=1)
-    # held-out solutions scored with teacher forcing during training (``eval_loss`` in metrics.jsonl, the mean over
-    # solutions of each one's CE per completion token): where settings are chosen, apart from training (e.g. a slice of its source,
-    # ``split: train[-500:]`` beside ``train[:-500]``) and from the test sets. Every eval_steps and at the end
-    # (transformers evaluates the last step too)
+    # held-out solutions scored with teacher forcing during training (``eval_loss`` in metrics.jsonl: the mean over
+    # solutions of each one's CE per completion token), where settings are chosen: apart from training (e.g. a slice
+    # of its source, ``split: train[-500:]`` beside ``train[:-500]``) and from the test sets. Every eval_steps and at
+    # the end (transformers evaluates the last step too)
     eval_data: DataSpec | None = None
     eval_steps: int | None = bounded(None, ge=1)  # None: every save_steps
 
@@ -175,7 +175,6 @@ class DistillConfig:
 
         if self.eval_steps is not None and self.eval_data is None:
             fail("distill.eval_steps", "no distill.eval_data to score; give its held-out solutions, or leave it out")
-
         if self.max_steps == 0:
             fail("distill.max_steps", "0 would mark an untrained model done; use -1 (train for epochs) or >= 1")
         if self.teacher_kl and recipe.model.convert_from is None:
@@ -436,7 +435,8 @@ ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions)
                      if f.name not in ("kv_cache_dtype", "state_cache_dtype")), "sleep")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
                "grpo.num_workers", "grpo.num_engines", "grpo.micro_batch_size", "distill.num_workers",
-               "distill.micro_batch_size", "distill.eval_data", "distill.eval_steps", "align.micro_batch_size", "eval.models", "eval.num_workers",
+               "distill.micro_batch_size", "distill.eval_data", "distill.eval_steps", "align.micro_batch_size",
+               "eval.models", "eval.num_workers",
                *(f"{stage}.engine.{key}" for stage in ("grpo", "eval") for key in ENGINE_CAPACITY))
 
 

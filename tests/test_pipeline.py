@@ -934,7 +934,8 @@ def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_pat
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+{i % 7}?", "solution": f"{i}+{i % 7}={i + i % 7}" + " so"
                                         * (i % 5) + f" \\boxed{{{i + i % 7}}}"}) + "\n" for i in range(48)))
-    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'run'}", f"distill.data={{source: {data}, split: 'train[:-8]'}}",
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'run'}",
+                                  f"distill.data={{source: {data}, split: 'train[:-8]'}}",
                                   f"distill.eval_data={{source: {data}, split: 'train[-8:]'}}", "distill.eval_steps=2",
                                   "distill.max_steps=3", "distill.batch_size=8", "distill.logging_steps=1",
                                   "distill.packing=true"])  # as the SmolLM2 recipes train: held-out rows not packed

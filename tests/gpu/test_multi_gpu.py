@@ -85,8 +85,8 @@ def test_fsdp_distillation_and_grpo_on_two_gpus(tmp_path):
     recipe = load_recipe("gpu-100m", [f"output_dir={tmp_path}", *SMALL, "sharding=fsdp", "distill.max_steps=4",
                                       "distill.logging_steps=1", "distill.save_steps=2", "grpo.steps=2",
                                       "grpo.prompts_per_batch=4", "grpo.save_steps=1", "eval.enabled=false",
-                                      "distill.eval_data={source: 'builtin:word_problems?steps=1', max_samples: 9, seed: 9}",
-                                      "distill.eval_steps=2"])
+                                      "distill.eval_steps=2", "distill.eval_data={source: "
+                                      "'builtin:word_problems?steps=1', max_samples: 9, seed: 9}"])
     run_recipe(recipe, ("distill", "grpo"))
     losses = [r["loss"] for r in read_metrics(tmp_path / "distill" / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0]
