@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     loss.add_argument("--first", type=int, default=24, help="how many records, from the start")
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
     loss.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    loss.add_argument("--out", default=None, help="also write the markdown table here")
+    loss.add_argument("--out", default=None, help="also write the markdown table here, every record's loss beside "
+                                                   "it (.json) and a figure (.png)")
     args, extra = parser.parse_known_args(argv)
     # overrides anywhere, after --checkpoint too (Hydra-style): argparse takes positionals before the options only
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):

@@ -168,6 +168,28 @@ def markdown(arms: list[Arm], ratios: bool) -> str:
     return "\n".join(lines)
 
 
+def plot(arms: list[Arm], title: str, png_path: Path) -> Path:
+    """Each arm's loss (bar: the mean over its draws; dots: each draw), a row per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.45 * len(arms)))
+    rows = range(len(arms))[::-1]  # the first arm on top, as in the table
+    ax.barh(list(rows), [a.loss for a in arms], color="#9ecae1")
+    for row, arm in zip(rows, arms):
+        ax.plot([d.loss for d in arm.draws], [row] * len(arm.draws), "o", color="#08519c", markersize=4)
+    ax.set_yticks(list(rows), [a.label for a in arms], fontsize=8)
+    ax.set_xlabel("assistant-token loss (nats/token); dots: each draw")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
 def parse_model(argument: str) -> tuple[str, str]:
     """``LABEL=PATH`` or ``PATH`` (its own label)."""
     label, sep, path = argument.partition("=")
@@ -219,4 +241,5 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
         # every record's loss beside the table: intervals over other groupings need no GPU again
         atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split, "records": len(dataset),
                                                                  "models": [asdict(r) for r in results]}))
+        plot(arms, f"{len(dataset)} records of {data}{part.replace('`', '')}", Path(out).with_suffix(".png"))
     return text

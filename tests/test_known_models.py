@@ -259,6 +259,7 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     rows = [line for line in table.read_text().splitlines() if line.startswith("| ")][2:]
     assert [r.split(" | ")[:2] for r in rows] == [["| published", "1"], ["| trained", "2"]] and "-" in rows[1]
     kept = json.loads(table.with_suffix(".json").read_text())["models"]
+    assert table.with_suffix(".png").stat().st_size > 0
     assert [m["label"] for m in kept] == ["published", "trained", "trained"] and len(kept[2]["record_losses"]) == 3
     assert main(["loss", str(tmp_path / "nowhere"), "--first", "3", "--device", "cpu"]) == 2
     # a model of another tokenizer (the demo's characters) is read with its own, and no ratio is drawn across them

@@ -108,3 +108,11 @@ def test_a_transformers_llama_is_scored_packed_as_the_model_it_converts_to():
     packed = completion_loss(reader, tokenizer, data, torch.device("cpu"), pack_tokens=200)
     assert packed.record_tokens == alone.record_tokens
     assert packed.record_losses == pytest.approx(alone.record_losses, rel=1e-4, abs=1e-4)
+
+
+def test_the_figure_draws_every_arm(tmp_path):
+    from pipeline.lm_loss import plot
+
+    arms = group([draw("T", [100.0, 120.0]), draw("S", [150.0, 170.0]), draw("S", [160.0, 150.0])])
+    path = plot(arms, "2 records of test", tmp_path / "loss.png")
+    assert path.stat().st_size > 1000
