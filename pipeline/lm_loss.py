@@ -5,6 +5,12 @@ formats it (the chat template, the recipe's instruction) and scored with teacher
 cross-entropy over the solution's tokens and the fraction predicted top-1. The same records, template and
 tokenizer for every model, so the numbers compare a converted model with the Transformer it came from.
 
+A model given as ``LABEL=PATH`` joins the arm ``LABEL``; several paths under one label are independent draws of it
+(runs of other seeds). Each arm is a row, its loss the mean over its draws, and its ratio to the first arm comes
+with a 95% interval that resamples each arm's draws and the records (``eval.metrics.hierarchical_bootstrap``).
+
+    sse-pipeline loss Transformer=runs/t0/distill/final Transformer=runs/t1/distill/final \\
+        SSE-H=runs/s0/distill/final SSE-H=runs/s1/distill/final --data gsm8k_test --first 1319 --out loss.md
     sse-pipeline loss smollm2-135m runs/smollm2-135m/align/final runs/smollm2-135m/distill/final \\
         --data gsm8k_train --first 24 --recipe smollm2-135m
 """
@@ -230,7 +236,8 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     # losses per token compare only over one tokenizer's tokens
     comparable = len(arms) > 1 and len(vocabularies) == 1 and math.isfinite(arms[0].loss)
     part = "" if split == "train" else f", split `{split}`"
-    text = (f"Assistant-token loss on the first {len(dataset)} records of `{data}`{part} (device {where}):\n\n"
+    scored = f"{len(dataset)} records of `{data}`{part}"
+    text = (f"Assistant-token loss on the first {scored} (device {where}):\n\n"
             f"{markdown(arms, comparable)}\n")
     if len(vocabularies) > 1:
         text += "\nThe models' tokenizers differ: each loss is per token of its own tokenizer, not comparable.\n"
@@ -241,5 +248,5 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
         # every record's loss beside the table: intervals over other groupings need no GPU again
         atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split, "records": len(dataset),
                                                                  "models": [asdict(r) for r in results]}))
-        plot(arms, f"{len(dataset)} records of {data}{part.replace('`', '')}", Path(out).with_suffix(".png"))
+        plot(arms, scored.replace("`", ""), Path(out).with_suffix(".png"))
     return text

@@ -23,8 +23,8 @@ def _ray_down():
 
 def test_two_data_parallel_workers_train_like_one_process(tmp_path):
     """The distillation stage on 1 and on 2 workers (gloo, each with half the global batch of 8): the same loss
-    at every step, the same held-out loss and the same final weights. The balance loss is off: it is a product of batch means, so each
-    worker's own differs from the whole batch's (as it does across micro-batches)."""
+    at every step, the same held-out loss and the same final weights. The balance loss is off: it is a product of
+    batch means, so each worker's own differs from the whole batch's (as it does across micro-batches)."""
     from pipeline.run import run_recipe
     from sse_model.checkpoint import load_pretrained
 
@@ -38,7 +38,8 @@ def test_two_data_parallel_workers_train_like_one_process(tmp_path):
         recipe = load_recipe("demo", [f"output_dir={out}", f"distill.num_workers={workers}", *common])
         run_recipe(recipe, ("distill",))
         losses[workers] = [r["loss"] for r in read_metrics(out / "distill" / "metrics.jsonl") if "loss" in r]
-        held_out[workers] = [r["eval_loss"] for r in read_metrics(out / "distill" / "metrics.jsonl") if "eval_loss" in r]
+        held_out[workers] = [r["eval_loss"] for r in read_metrics(out / "distill" / "metrics.jsonl")
+                             if "eval_loss" in r]
         finals[workers] = load_pretrained(out / "distill" / "final").state_dict()
     assert len(losses[1]) == 4 and losses[1][0] != losses[1][-1]
     assert losses[2] == pytest.approx(losses[1], rel=1e-4), (losses[1], losses[2])

@@ -22,6 +22,7 @@ def gathered(q, pool_k, pool_v, tables, lengths, scale):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim, keys_as_rows, fma", [
     (2, 2, 16, False, False), (2, 2, 16, True, False), (2, 2, 16, False, True),  # fma: one query head per KV head
+    (3, 3, 64, False, True), (5, 5, 256, False, True),  # fma at real head sizes, odd head counts
     (6, 2, 32, False, False), (6, 2, 32, True, False)])
 def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim, keys_as_rows, fma):
     torch.manual_seed(0)

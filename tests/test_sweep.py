@@ -79,7 +79,7 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     assert "| fast | distill | " in table and "| slow | last | " in table
     assert " lenient)" in table  # each cell as the compare table writes it (the boxed reading first)
     assert table in capsys.readouterr().out
-    # a variant's command again (after variants stopped for memory, or the machine's end): every finished stage is
+    # a variant's command again (after the machine's end): every finished stage is
     # skipped, and its row is the same run's again
     assert main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "fast"]) == 0
     log = (tmp_path / "fast.log").read_text().rsplit("### sweep ", 1)[-1]  # this run's part (appended)
