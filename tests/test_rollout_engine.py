@@ -513,12 +513,12 @@ def test_a_result_is_handed_over_between_steps_while_other_requests_run(model, t
                                                                block_size=16)
         for _ in range(3):
             steps = ray.get(worker.get_stats.remote())["decode_steps"]
-            long = worker.start.remote([PROMPTS[1]], [SamplingParams(max_tokens=600, ignore_eos=True)])
-            short = worker.start.remote([PROMPTS[0]], [SamplingParams(max_tokens=4, ignore_eos=True)])
-            assert len(ray.get(worker.result.remote(short))[0].outputs[0].token_ids) == 4
+            long, short = ray.get(worker.start.remote([PROMPTS[1], PROMPTS[0]], [  # added at once: one start
+                SamplingParams(max_tokens=600, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)]))
+            assert len(ray.get(worker.result.remote([short]))[0].outputs[0].token_ids) == 4
             stats = ray.get(worker.get_stats.remote())
             assert stats["decode_steps"] - steps <= 8 and stats["running"] == 1, stats  # the long one runs on
-            assert len(ray.get(worker.result.remote(long))[0].outputs[0].token_ids) == 600
+            assert len(ray.get(worker.result.remote([long]))[0].outputs[0].token_ids) == 600
     finally:
         ray.shutdown()
 

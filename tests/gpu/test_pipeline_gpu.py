@@ -166,11 +166,12 @@ def test_a_result_is_handed_over_between_steps_on_the_gpu():
                                                               max_model_len=4096, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             steps = ray.get(worker.get_stats.remote())["decode_steps"]
-            long = worker.start.remote([list(range(5, 40))], [SamplingParams(max_tokens=3000, ignore_eos=True)])
-            short = worker.start.remote([[1, 2, 3, 4]], [SamplingParams(max_tokens=4, ignore_eos=True)])
-            assert len(ray.get(worker.result.remote(short))[0].outputs[0].token_ids) == 4
+            # both added at once: the long one must not run steps ahead of the short one's start (it did on the GPU)
+            long, short = ray.get(worker.start.remote([list(range(5, 40)), [1, 2, 3, 4]], [
+                SamplingParams(max_tokens=3000, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)]))
+            assert len(ray.get(worker.result.remote([short]))[0].outputs[0].token_ids) == 4
             stats = ray.get(worker.get_stats.remote())
             assert stats["decode_steps"] - steps <= 8 and stats["running"] == 1, stats
-            assert len(ray.get(worker.result.remote(long))[0].outputs[0].token_ids) == 3000
+            assert len(ray.get(worker.result.remote([long]))[0].outputs[0].token_ids) == 3000
     finally:
         ray.shutdown()
