@@ -29,12 +29,23 @@ import triton.language as tl
 from kernels import interpreting
 
 @triton.jit
+def _kv_tile(pool_k, pool_v, tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t,
+             D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr):
+    """Keys and values of tokens ``[start, start + BT)`` below ``hi`` of one sequence's KV head (zeros beyond)."""
+    t = start + tl.arange(0, BT)
+    valid = t < hi
+    block = tl.load(tables + row * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = block[:, None] * sk_blk + hk * sk_h + (t % BLOCK_SIZE)[:, None] * sk_t + tl.arange(0, D)[None, :]
+    k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
+    return k, tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q, pool_k, pool_v, tables, lengths, slots, o, part_m, part_l, scale, H,
     sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-    FMA: tl.constexpr,
+    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -53,53 +64,34 @@ def _paged_decode_kernel(
     heads = hk * GROUP + g
     group_mask = g < GROUP
     q_tile = tl.load(q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=group_mask[:, None], other=0.0)
-    if F32 or FMA:
+    if F32:
         q_tile = q_tile.to(tl.float32)
     elif FP8:  # float8 keys and values are widened to fp16, a shorter conversion than to bf16
         q_tile = q_tile.to(tl.float16)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    if PREFETCH:
+        k_next, v_next = _kv_tile(pool_k, pool_v, tables, row, hk, lo, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
     for start in range(lo, hi, BT):
-        t = start + tl.arange(0, BT)
-        valid = t < hi
-        block = tl.load(tables + row * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = block[:, None] * sk_blk + hk * sk_h + (t % BLOCK_SIZE)[:, None] * sk_t + d[None, :]
-        k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
-        if F32 or FMA:
-            k = k.to(tl.float32)
-        elif FP8:
-            k = k.to(tl.float16)
-        if FMA:  # one query row (GP = 1): products summed on the CUDA cores, the tile widened in registers only
-            s = tl.sum(k[None, :, :] * q_tile[:, None, :], 2) * scale  # [1, BT]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            l_step = tl.sum(p, 1)
-        elif KEYS_AS_ROWS:  # the scores transposed, [BT, GP]: the key tile is the product's rows, never transposed
-            s = tl.dot(k, tl.trans(q_tile)) * scale
-            s = tl.where(valid[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            p = tl.exp(s - m_new[None, :])
-            l_step = tl.sum(p, 0)
-            p = tl.trans(p)  # [GP, BT] for the value product, as the default orientation has it
+        if PREFETCH:  # the next tile's loads in flight while this one is widened and multiplied
+            k, v = k_next, v_next
+            k_next, v_next = _kv_tile(pool_k, pool_v, tables, row, hk, start + BT, hi, st_b, sk_blk, sk_h, sk_t,
+                                      D, BLOCK_SIZE, BT)
         else:
-            s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            l_step = tl.sum(p, 1)
+            k, v = _kv_tile(pool_k, pool_v, tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
+        if F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        elif FP8:
+            k, v = k.to(tl.float16), v.to(tl.float16)
+        valid = start + tl.arange(0, BT) < hi
+        s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + l_step
-        v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
-        if F32 or FMA:
-            v = v.to(tl.float32)
-        elif FP8:
-            v = v.to(tl.float16)
-        if FMA:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
         out = acc / l[:, None]
@@ -137,27 +129,20 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
                            tokens_per_step: int = 64, splits: int | None = None,
-                           slots: torch.Tensor | None = None, keys_as_rows: bool = False,
-                           fma: bool = False) -> torch.Tensor:
+                           slots: torch.Tensor | None = None, prefetch: bool = False) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` (>= 1) cached tokens (float8 pools widened to fp16 as they are read). ``H`` a multiple of the
     pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
-    step, whose token :func:`rotary_store_decode` stored. ``keys_as_rows``: the scores computed transposed (the
-    key tile as the product's rows, the small probability tile transposed instead), an orientation
-    ``benchmarks.kernels.bench_paged --fp8`` measures against the default for float8 tiles widened in registers.
-    ``fma`` (one query head per KV head): no matrix product, each score and the value sum as products summed in
-    float32 on the CUDA cores, so a float8 tile is widened in registers and never staged as a tensor-core operand;
-    the third way that benchmark measures."""
+    step, whose token :func:`rotary_store_decode` stored. ``prefetch``: each program issues the loads of its next
+    tile before widening and multiplying the current one (a tile widened in registers is not staged by Triton's
+    pipeliner as a bf16 one is); ``benchmarks.kernels.bench_paged --fp8`` measures it on bf16 and float8 pools."""
     B, H, D = q.shape
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
         raise ValueError(f"paged_decode_attention: {H} query heads over {H_kv} KV heads of size {D}")
-    if fma and (H != H_kv or keys_as_rows):
-        raise ValueError(f"paged_decode_attention: fma reads one query head per KV head ({H} over {H_kv}) and has no "
-                         "orientation (keys_as_rows)")
     if pool_k.stride(-1) != 1 or q.stride(-1) != 1 or pool_k.stride() != pool_v.stride():
         raise ValueError("paged_decode_attention: the head dimension must be contiguous, keys and values alike")
     splits = default_splits(B, H_kv, q.device) if splits is None else splits
@@ -174,9 +159,9 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         D ** -0.5 if scale is None else scale, H,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), tables.stride(0),
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
-        GROUP=group, GP=1 if fma else max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
+        GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
         BT=tokens_per_step, SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(),
-        HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, KEYS_AS_ROWS=keys_as_rows, FMA=fma,
+        HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, PREFETCH=prefetch,
         num_warps=8, num_stages=3,
     )
     if splits > 1:

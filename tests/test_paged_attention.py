@@ -20,11 +20,10 @@ def gathered(q, pool_k, pool_v, tables, lengths, scale):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads, kv_heads, dim, keys_as_rows, fma", [
-    (2, 2, 16, False, False), (2, 2, 16, True, False), (2, 2, 16, False, True),  # fma: one query head per KV head
-    (3, 3, 64, False, True), (5, 5, 256, False, True),  # fma at real head sizes, odd head counts
-    (6, 2, 32, False, False), (6, 2, 32, True, False)])
-def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim, keys_as_rows, fma):
+@pytest.mark.parametrize("heads, kv_heads, dim, prefetch", [
+    (2, 2, 16, False), (2, 2, 16, True), (6, 2, 32, False), (6, 2, 32, True),  # GQA
+    (3, 3, 64, True), (5, 5, 256, True)])  # real head sizes, odd head counts
+def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim, prefetch):
     torch.manual_seed(0)
     block_size, num_blocks, B = 16, 12, 4
     lengths = torch.tensor([1, 17, 40, 5])  # one token, a block and one, partial last blocks
@@ -42,14 +41,14 @@ def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim,
     want = gathered(q, pool_k, pool_v, tables, lengths, scale)
     for splits in (1, 3, 8):  # whole sequences; split in ranges, some empty for the short ones, merged after
         got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, tokens_per_step=16, splits=splits,
-                                     keys_as_rows=keys_as_rows, fma=fma)
+                                     prefetch=prefetch)
         assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
     # the engine's form: rows picked by slots, lengths counted before the step's (stored) token
     order = torch.tensor([2, 0, 3, 1])
     slots = torch.argsort(order)
     got = paged_decode_attention(q, pool_k, pool_v, tables[order], (lengths - 1)[order], tokens_per_step=16,
-                                 slots=slots, keys_as_rows=keys_as_rows, fma=fma)
+                                 slots=slots, prefetch=prefetch)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 
@@ -58,10 +57,6 @@ def test_shapes_it_cannot_take_are_refused():
     with pytest.raises(ValueError, match="3 query heads over 2 KV heads of size 24"):
         paged_decode_attention(torch.zeros(1, 3, 24), pool, pool, torch.zeros(1, 1, dtype=torch.long),
                                torch.ones(1, dtype=torch.long))
-    pool = torch.zeros(2, 2, 16, 32)
-    with pytest.raises(ValueError, match="fma reads one query head per KV head"):
-        paged_decode_attention(torch.zeros(1, 4, 32), pool, pool, torch.zeros(1, 1, dtype=torch.long),
-                               torch.ones(1, dtype=torch.long), fma=True)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -3,7 +3,7 @@ against gathering the blocks + SDPA (its path before, still its path with ``page
 roofline; prints one markdown table (GPU).
 
     python -m benchmarks.kernels.bench_paged [--shapes 256x1536 64x8192 8x32768]
-    python -m benchmarks.kernels.bench_paged --fp8 --shapes 64x16384 64x32768   # the kernel's orientations, bf16 and float8
+    python -m benchmarks.kernels.bench_paged --fp8 --shapes 64x16384 64x32768   # plain and prefetching, bf16 and float8
 
 Per shape ``BxT`` (sequences x cached tokens each; one attention layer of ``transformer-2b``/``sse-h-2b``: 18
 heads of 128, bf16, blocks of 256 tokens scattered over the pool): the gather path is what
@@ -11,9 +11,11 @@ heads of 128, bf16, blocks of 256 tokens scattered over the pool): the gather pa
 tensor, then SDPA with the validity mask); the roofline reads every cached key and value once at the measured copy
 bandwidth.
 
-``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``), each in both
-orientations of its score product (``keys_as_rows``) and without matrix products (``fma``: products summed on the
-CUDA cores, one query head per KV head as these shapes have), against each dtype's roofline.
+``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``), as the engine
+runs it and with the next tile's loads issued before the current one is multiplied (``prefetch``), at 64 and 128
+tokens a tile, against each dtype's roofline. (Two other ways were measured slower on both dtypes at 8 and 64 x
+32k on one H200 and removed: the scores transposed, 1.45-1.51x bf16's roofline and 4.0x float8's; products summed
+on the CUDA cores, 2.7x and 5.4x.)
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ def gather_path(q, pool_k, pool_v, tables, lengths):
     return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None])[:, :, 0]
 
 
-def orientations(shapes: list[str], bandwidth: float) -> None:
-    """The kernel's ways (two orientations of its products, and none) on bf16 and float8 pools: ms and x each
-    dtype's roofline."""
+def float8_ways(shapes: list[str], bandwidth: float) -> None:
+    """The kernel on bf16 and float8 pools, plain and prefetching, at two tile sizes: ms and x each dtype's
+    roofline."""
     from pipeline.rollout.cache import to_kv
 
-    print("| sequences x tokens | KV | products | kernel ms | roofline ms | x roofline | max abs diff to bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| sequences x tokens | KV | loads | tokens a tile | kernel ms | roofline ms | x roofline | "
+          "max abs diff to bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in shapes:
         B, T = map(int, shape.split("x"))
         q, pool_k, pool_v, tables, lengths = inputs(B, T)
@@ -60,23 +63,25 @@ def orientations(shapes: list[str], bandwidth: float) -> None:
         for name, (k, v) in (("bf16", (pool_k, pool_v)),
                              ("float8", (to_kv(pool_k, torch.float8_e4m3fn), to_kv(pool_v, torch.float8_e4m3fn)))):
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
-            for way, options in (("dot", {}), ("dot, keys as rows", {"keys_as_rows": True}), ("fma", {"fma": True})):
-                out = paged_decode_attention(q, k, v, tables, lengths, **options)
-                ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
-                diff = (out.float() - reference).abs().max().item()
-                print(f"| {B} x {T} | {name} | {way} | {ms:.3f} | {roofline:.3f} | {ms / roofline:.2f}x | "
-                      f"{diff:.1e} |", flush=True)
+            for tile in (64, 128):
+                for prefetch in (False, True):
+                    options = {"tokens_per_step": tile, "prefetch": prefetch}
+                    out = paged_decode_attention(q, k, v, tables, lengths, **options)
+                    ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
+                    diff = (out.float() - reference).abs().max().item()
+                    print(f"| {B} x {T} | {name} | {'prefetched' if prefetch else 'in turn'} | {tile} | {ms:.3f} | "
+                          f"{roofline:.3f} | {ms / roofline:.2f}x | {diff:.1e} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=["256x1536", "64x8192", "8x32768"])
-    parser.add_argument("--fp8", action="store_true", help="the orientations on bf16 and float8 pools instead")
+    parser.add_argument("--fp8", action="store_true", help="the kernel's ways on bf16 and float8 pools instead")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"Copy bandwidth {bandwidth / 1e12:.2f} TB/s; one layer, 18 heads of 128, bf16, blocks of 256 tokens\n")
     if args.fp8:
-        return orientations(args.shapes, bandwidth)
+        return float8_ways(args.shapes, bandwidth)
     print("| sequences x tokens | splits | roofline ms | gather + SDPA ms | paged kernel ms | kernel / roofline | "
           "gather / kernel | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")

@@ -704,18 +704,10 @@ def test_paged_decode_attention_reads_float8_pools_and_the_store_clamps():
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
     want = gather_path(q, pool_k.to(torch.bfloat16).repeat_interleave(H // kv_heads, dim=1),
                        pool_v.to(torch.bfloat16).repeat_interleave(H // kv_heads, dim=1), tables, lengths)
-    for keys_as_rows in (False, True):
-        got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, keys_as_rows=keys_as_rows)
-        RESULTS.append((f"paged decode attention, float8 pools vs gather (bf16){', keys as rows' * keys_as_rows}",
+    for prefetch in (False, True):
+        got = paged_decode_attention(q, pool_k, pool_v, tables, lengths, prefetch=prefetch)
+        RESULTS.append((f"paged decode attention, float8 pools vs gather (bf16){', prefetched' * prefetch}",
                         rel(got, want), 0.0))
-        assert got.dtype == torch.bfloat16 and rel(got, want) < TOL[torch.bfloat16]
-    # no matrix products (fma): one query head per KV head, the group's first head of each
-    mha = q[:, ::H // kv_heads].contiguous()
-    want = gather_path(mha, pool_k.to(torch.bfloat16), pool_v.to(torch.bfloat16), tables, lengths)
-    for dtype in (torch.bfloat16, f8):
-        k, v = (pool_k, pool_v) if dtype == f8 else (pool_k.to(dtype), pool_v.to(dtype))
-        got = paged_decode_attention(mha, k, v, tables, lengths, fma=True)
-        RESULTS.append((f"paged decode attention, fma, {dtype} pools vs gather (bf16)", rel(got, want), 0.0))
         assert got.dtype == torch.bfloat16 and rel(got, want) < TOL[torch.bfloat16]
 
     rotary = RotaryEmbedding(D).cuda()
