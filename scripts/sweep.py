@@ -22,10 +22,10 @@ engines, ``ray.num_gpus=2``). Each
 keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
 ``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics,
 GRPO's reward and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval,
-the share of boxed answers and their accuracy alone. A variant that ran out of GPU memory beside others runs once
-more, alone, when they are done (from its last checkpoint). Variants that stopped otherwise (the machine gone) run
-again by the same command: every finished stage of every variant is skipped (an evaluation scores its model's
-generations again, generating nothing), and the table covers them all.
+the share of boxed answers and their accuracy alone. A variant that ran out of GPU memory beside others runs again
+first (from its last checkpoint), and from then on the sweep runs only as many at a time as ran beside it. Variants
+that stopped otherwise (the machine gone) run again by the same command: every finished stage of every variant is
+skipped (an evaluation scores its model's generations again, generating nothing), and the table covers them all.
 """
 
 from __future__ import annotations
@@ -137,18 +137,19 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
              ) -> dict[str, dict]:
     """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``; with ``gpus``, each on
     the least busy of them), printing each as it ends; a variant's wall time counts from its own start. A run that
-    ran out of GPU memory beside others runs once more, alone, once the others are done (it resumes from its last
-    checkpoint; ``retried`` in its result)."""
+    ran out of GPU memory beside others runs again next (it resumes from its last checkpoint; ``retried`` in its
+    result), and the sweep lowers ``parallel`` to the runs that were beside it: they fit, with one more they did not.
+    Each such lowering leaves fewer beside a run, so the retries end; a run out of memory alone fails."""
     env = {**os.environ, **RUN_ENV}
     waiting, procs, results, placed = list(runs), {}, {}, {}
-    crowded, alone = set(), set()  # runs that ran beside another; runs to repeat with nothing beside them
+    crowded, retried = set(), set()  # runs that ran beside another; runs started again after running out of memory
     start, shown = time.time(), time.time()
     while waiting or procs:
         if time.time() - shown >= STATUS_EVERY_S:  # a line a minute while the variants run (their logs hold more)
             shown = time.time()
             print(f"sweep: {len(results)} done, running {', '.join(procs)}, {len(waiting)} waiting; "
                   f"{(shown - start) / 60:.1f} min", flush=True)
-        while waiting and len(procs) < parallel and not (waiting[0] in alone and procs):
+        while waiting and len(procs) < parallel:
             name = waiting.pop(0)
             log = (out / f"{name}.log").open("a")  # a re-run resumes: its log follows the first run's
             log.write(f"### sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(runs[name])}\n")
@@ -159,6 +160,7 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
                 own = {**env, "CUDA_VISIBLE_DEVICES": visible(placed[name])}
             procs[name] = (subprocess.Popen(runs[name], stdout=log, stderr=subprocess.STDOUT, env=own), log,
                            time.time())
+            crowded.discard(name)  # this start's company counts, not an earlier one's
         if len(procs) > 1:
             crowded.update(procs)
         for name, (proc, log, started) in list(procs.items()):
@@ -166,14 +168,16 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
                 continue
             log.close()
             del procs[name]
-            if proc.returncode and name in crowded and name not in alone and ran_out_of_memory(out / f"{name}.log"):
-                alone.add(name)
-                waiting.append(name)
-                print(f"{name}: out of GPU memory beside other runs; it runs again alone once they are done",
-                      flush=True)
+            if proc.returncode and name in crowded and ran_out_of_memory(out / f"{name}.log"):
+                parallel = max(1, min(parallel - 1, len(procs)))
+                retried.add(name)
+                waiting.insert(0, name)
+                print(f"{name}: out of GPU memory beside other runs; it runs again next, {parallel} at a time from "
+                      "now on", flush=True)
                 continue
             results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started,
-                             **({"gpu": placed[name]} if gpus else {}), **({"retried": True} if name in alone else {})}
+                             **({"gpu": placed[name]} if gpus else {}),
+                             **({"retried": True} if name in retried else {})}
             print(f"{name}: {'done' if proc.returncode == 0 else f'failed ({proc.returncode})'} in "
                   f"{results[name]['wall_s']:.0f} s; {len(procs)} running, {len(waiting)} waiting", flush=True)
         time.sleep(1)

@@ -153,22 +153,29 @@ def test_the_table_holds_the_held_out_loss_each_distillation_logged_last(tmp_pat
     assert dict(zip(header.split(" | "), line.split(" | ")))["held-out loss"] == "1.400"
 
 
-def test_a_run_out_of_gpu_memory_beside_others_runs_again_alone(tmp_path):
-    """Four SmolLM2 runs side by side on one H200: one ran out of memory and the sweep reported it failed. Now it
-    runs once more when the others are done (its first run printed PyTorch's error); one alone that runs out is not
-    repeated, nor is a run that failed otherwise."""
+def test_a_run_out_of_gpu_memory_beside_others_runs_again_next_and_fewer_run_at_once(tmp_path):
+    """Six SmolLM2 runs three at a time on one H200: three ran out of memory at their start and waited to run alone
+    after the rest, one after another. Now the run goes again next and the sweep runs as many at a time as fitted
+    beside it; one alone that runs out is not repeated, nor is a run that failed otherwise."""
     oom = ("import sys, time, pathlib; mark = pathlib.Path(sys.argv[1]); first = not mark.exists(); mark.touch(); "
            "open(sys.argv[2], 'a').write(f'{time.time()}\\n'); "
            "first and sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.34 GiB')")
-    busy = "import sys, time; time.sleep(1.5); open(sys.argv[1], 'w').write(str(time.time()))"
+    timed = ("import sys, time; start = time.time(); time.sleep(1.5); "
+             "open(sys.argv[1], 'w').write(f'{start} {time.time()}')")
     runs = {"crowded": [sys.executable, "-c", oom, str(tmp_path / "mark"), str(tmp_path / "starts")],
-            "busy": [sys.executable, "-c", busy, str(tmp_path / "busy_end")],
-            "broken": [sys.executable, "-c", "import sys; sys.exit('KeyError: nothing to do with memory')"]}
-    results = _run_all(runs, tmp_path, 3)
+            "busy": [sys.executable, "-c", timed, str(tmp_path / "busy")],
+            "later": [sys.executable, "-c", timed, str(tmp_path / "later")]}
+    results = _run_all(runs, tmp_path, 2)
     assert results["crowded"] == {**results["crowded"], "returncode": 0, "retried": True}
+    assert results["busy"]["returncode"] == results["later"]["returncode"] == 0
     starts = [float(t) for t in (tmp_path / "starts").read_text().split()]
-    assert len(starts) == 2 and starts[1] >= float((tmp_path / "busy_end").read_text())  # after the other ended
-    assert results["broken"]["returncode"] == 1 and "retried" not in results["broken"]
+    busy_end = float((tmp_path / "busy").read_text().split()[1])
+    later_start = float((tmp_path / "later").read_text().split()[0])
+    # one at a time after the first run out of memory: crowded again once busy ended, before the run that waited
+    assert len(starts) == 2 and busy_end <= starts[1] <= later_start
+    broken = {"broken": [sys.executable, "-c", "import sys; sys.exit('KeyError: nothing to do with memory')"],
+              "busy": runs["busy"]}
+    assert "retried" not in _run_all(broken, tmp_path, 2)["broken"]
     (tmp_path / "mark").unlink()
     alone = _run_all({"crowded": runs["crowded"]}, tmp_path, 3)
     assert alone["crowded"]["returncode"] == 1 and "retried" not in alone["crowded"]
