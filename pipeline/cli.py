@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     loss.add_argument("--split", default="train", help="a part of the data, as recipes' data.split: train[-500:] "
                                                        "is GSM8K train's held-out part in the SmolLM2 recipes")
     loss.add_argument("--first", type=int, default=24, help="how many records, from the start")
+    loss.add_argument("--as-trained", action="store_true",
+                      help="GSM8K solutions as distillation's rows have them (calculator annotations removed, the "
+                           "closing '#### N' as 'The answer is \\boxed{N}.'): gsm8k_test in gsm8k_train's format")
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
     loss.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     loss.add_argument("--out", default=None, help="also write the markdown table here, every record's loss beside "
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         from .lm_loss import main as loss_main
 
         try:
-            print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out, args.split))
+            print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out, args.split,
+                            args.as_trained))
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -120,6 +120,22 @@ def _subsample(records: list[dict], spec: DataSpec) -> list[dict]:
     return records
 
 
+GSM8K_ANNOTATION = re.compile(r"<<[^>]*>>")  # a GSM8K calculator annotation, <<16-3-4=9>>
+GSM8K_CLOSING = re.compile(r"\n?####\s*(.+?)\s*$")  # its closing answer line, #### 18
+
+
+def gsm8k_as_trained(solution: str, answer: str | None = None) -> str:
+    """A GSM8K worked solution as distillation's rows have it (``gsm8k_train``): calculator annotations removed, the
+    closing ``#### N`` as ``The answer is \\boxed{N}.``, N the closing's number without thousands separators unless
+    ``answer`` is given."""
+    closing = GSM8K_CLOSING.search(solution)
+    if closing is None:
+        raise ValueError(f"not a GSM8K solution (no closing '#### N' line): {solution[-80:]!r}")
+    answer = closing.group(1).replace(",", "") if answer is None else answer
+    body = GSM8K_CLOSING.sub("", GSM8K_ANNOTATION.sub("", solution)).rstrip()
+    return f"{body}\nThe answer is \\boxed{{{answer}}}."
+
+
 def sft_dataset(spec: DataSpec, instruction: str = INSTRUCTION) -> Dataset:
     """A conversational prompt-completion dataset: ``prompt`` (user problem + instruction) and ``completion``
     (the assistant's solution), so the loss covers the completion whatever the tokenizer's chat template (TRL's

@@ -207,17 +207,20 @@ def parse_model(argument: str) -> tuple[str, str]:
 
 
 def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None,
-         split: str = "train") -> str:
-    from .data import sft_dataset
+         split: str = "train", as_trained: bool = False) -> str:
+    from .data import gsm8k_as_trained, sft_dataset
     from .models import load_tokenizer, local_model, resolve_device
     from .recipe import DataSpec, Recipe, load_recipe
     from sse_model.checkpoint import load_pretrained
 
     recipe = load_recipe(recipe_name) if recipe_name else Recipe()
     dataset = sft_dataset(DataSpec(source=data, split=split), recipe.prompt_instruction)
-    dataset = dataset.select(range(min(first, len(dataset))))
     if first < 1:
         raise ValueError(f"--first {first}: score at least one record")
+    dataset = dataset.select(range(min(first, len(dataset))))
+    if as_trained:  # the same solutions in distillation's format: what a model learned of it, not of GSM8K's markup
+        dataset = dataset.map(lambda row: {"completion": [
+            {**row["completion"][0], "content": gsm8k_as_trained(row["completion"][0]["content"])}]})
     where = resolve_device(device)
     named = [(label, name, local_model(name)) for label, name in map(parse_model, models)]  # all before loading
     for _, name, path in named:
@@ -235,7 +238,8 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     arms = group(results)
     # losses per token compare only over one tokenizer's tokens
     comparable = len(arms) > 1 and len(vocabularies) == 1 and math.isfinite(arms[0].loss)
-    part = "" if split == "train" else f", split `{split}`"
+    part = ("" if split == "train" else f", split `{split}`") + (", solutions as distillation's rows have them"
+                                                                 if as_trained else "")
     scored = f"{len(dataset)} records of `{data}`{part}"
     text = (f"Assistant-token loss on the first {scored} (device {where}):\n\n"
             f"{markdown(arms, comparable)}\n")
@@ -246,7 +250,8 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
 
         atomic_write(Path(out), text)
         # every record's loss beside the table: intervals over other groupings need no GPU again
-        atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split, "records": len(dataset),
+        atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split, "as_trained": as_trained,
+                                                                 "records": len(dataset),
                                                                  "models": [asdict(r) for r in results]}))
         plot(arms, scored.replace("`", ""), Path(out).with_suffix(".png"))
     return text

@@ -2,29 +2,22 @@
 for distillation: the calculator annotations ``<<a=b>>`` removed and the closing ``#### N`` turned into
 ``The answer is \\boxed{N}.`` (the answer format the rewards and evaluation score).
 
-    python scripts/build_gsm8k_train.py SOURCE.jsonl pipeline/train_data/gsm8k_train.jsonl
+    python -m scripts.build_gsm8k_train SOURCE.jsonl pipeline/train_data/gsm8k_train.jsonl
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 
-ANNOTATION = re.compile(r"<<[^>]*>>")
-CLOSING = re.compile(r"\n?####\s*(.+?)\s*$")
-
-
-def rewrite(solution: str, answer: str) -> str:
-    body = CLOSING.sub("", ANNOTATION.sub("", solution)).rstrip()
-    return f"{body}\nThe answer is \\boxed{{{answer}}}."
+from pipeline.data import gsm8k_as_trained
 
 
 def main(source: str, target: str) -> None:
     with open(source) as f, open(target, "w") as out:
         for line in f:
             record = json.loads(line)
-            record["solution"] = rewrite(record["solution"], record["answer"])
+            record["solution"] = gsm8k_as_trained(record["solution"], record["answer"])
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 

@@ -262,6 +262,10 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
     assert table.with_suffix(".png").stat().st_size > 0
     assert [m["label"] for m in kept] == ["published", "trained", "trained"] and len(kept[2]["record_losses"]) == 3
     assert main(["loss", str(tmp_path / "nowhere"), "--first", "3", "--device", "cpu"]) == 2
+    assert main(["loss", str(path), "--data", "gsm8k_test", "--as-trained", "--first", "2", "--device", "cpu",
+                 "--out", str(table)]) == 0
+    assert "solutions as distillation's rows have them" in table.read_text()
+    assert json.loads(table.with_suffix(".json").read_text())["as_trained"] is True
     # a model of another tokenizer (the demo's characters) is read with its own, and no ratio is drawn across them
     # (it was read through the first model's: a loss of 4.389 reported without a word)
     from pipeline.run import run_recipe as run_demo

@@ -116,3 +116,22 @@ def test_the_figure_draws_every_arm(tmp_path):
     arms = group([draw("T", [100.0, 120.0]), draw("S", [150.0, 170.0]), draw("S", [160.0, 150.0])])
     path = plot(arms, "2 records of test", tmp_path / "loss.png")
     assert path.stat().st_size > 1000
+
+
+def test_gsm8k_solutions_read_as_distillation_rows_have_them():
+    """``--as-trained``: GSM8K test's solutions in the format gsm8k_train was rewritten to, so that a loss gap can be
+    told apart from the markup (calculator annotations, ``#### N``) that distillation never shows."""
+    import json
+
+    from eval.benchmarks import DATA_DIR
+    from pipeline.data import PACKAGED, gsm8k_as_trained
+
+    solution = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs.\nShe makes 9 * 2 = $<<9*2=18>>18.\n#### 1,018"
+    assert gsm8k_as_trained(solution) == \
+        "Janet sells 16 - 3 - 4 = 9 duck eggs.\nShe makes 9 * 2 = $18.\nThe answer is \\boxed{1018}."
+    with pytest.raises(ValueError, match="no closing '#### N' line"):
+        gsm8k_as_trained("The answer is \\boxed{3}.")
+    test = [json.loads(line) for line in (DATA_DIR / "gsm8k_test.jsonl").open()]
+    assert all(gsm8k_as_trained(r["solution"]) == gsm8k_as_trained(r["solution"], r["answer"]) for r in test)
+    train = [json.loads(line) for line in PACKAGED["gsm8k_train"].open()]
+    assert all("<<" not in r["solution"] and r["solution"].endswith(f"\\boxed{{{r['answer']}}}.") for r in train)
