@@ -29,15 +29,14 @@ import triton.language as tl
 from kernels import interpreting
 
 @triton.jit
-def _kv_tile(pool_k, pool_v, tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t,
-             D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr):
-    """Keys and values of tokens ``[start, start + BT)`` below ``hi`` of one sequence's KV head (zeros beyond)."""
+def _tile(tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+          BT: tl.constexpr):
+    """Where tokens ``[start, start + BT)`` of one sequence's KV head lie in the pools, and which are below ``hi``."""
     t = start + tl.arange(0, BT)
     valid = t < hi
     block = tl.load(tables + row * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     offs = block[:, None] * sk_blk + hk * sk_h + (t % BLOCK_SIZE)[:, None] * sk_t + tl.arange(0, D)[None, :]
-    k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
-    return k, tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
+    return offs, valid
 
 
 @triton.jit
@@ -72,25 +71,35 @@ def _paged_decode_kernel(
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     if PREFETCH:
-        k_next, v_next = _kv_tile(pool_k, pool_v, tables, row, hk, lo, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
+        offs, valid = _tile(tables, row, hk, lo, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
+        k_next = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
+        v_next = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
     for start in range(lo, hi, BT):
+        valid = start + tl.arange(0, BT) < hi
         if PREFETCH:  # the next tile's loads in flight while this one is widened and multiplied
             k, v = k_next, v_next
-            k_next, v_next = _kv_tile(pool_k, pool_v, tables, row, hk, start + BT, hi, st_b, sk_blk, sk_h, sk_t,
-                                      D, BLOCK_SIZE, BT)
-        else:
-            k, v = _kv_tile(pool_k, pool_v, tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
+            offs, valid_next = _tile(tables, row, hk, start + BT, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
+            k_next = tl.load(pool_k + offs, mask=valid_next[:, None], other=0.0)
+            v_next = tl.load(pool_v + offs, mask=valid_next[:, None], other=0.0)
+        else:  # keys now, values after the scores: Triton's pipeliner stages both ahead for bf16 tiles
+            offs, valid = _tile(tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
+            k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
         if F32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+            k = k.to(tl.float32)
         elif FP8:
-            k, v = k.to(tl.float16), v.to(tl.float16)
-        valid = start + tl.arange(0, BT) < hi
+            k = k.to(tl.float16)
         s = tl.dot(q_tile, tl.trans(k)) * scale  # [GP, BT], accumulated in float32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
+        if not PREFETCH:
+            v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
+        if F32:
+            v = v.to(tl.float32)
+        elif FP8:
+            v = v.to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
