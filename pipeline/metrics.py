@@ -89,6 +89,7 @@ class MetricsLogger(TrainerCallback):
         # (generating ahead, the rollout span is the trainer's wait, not the engines' generation)
         if "tokens/generated" in counts and spans.get("rollout") and "async/staleness" not in counts:
             record["tokens/generated_per_s"] = counts["tokens/generated"] / spans["rollout"]
+        record.update(gpu_memory())
         if self.extra is not None:
             record.update(self.extra())
         with self.path.open("a") as handle:
@@ -99,6 +100,18 @@ class MetricsLogger(TrainerCallback):
             print(f"{self.path.parent.name}: step {state.global_step}: no group's rewards varied, so this step's "
                   "advantages are all zero and it learned nothing (every sample right, or every one wrong)", flush=True)
         self._last, self._last_step = now, state.global_step
+
+
+def gpu_memory() -> dict:
+    """This process's GPU memory high-water marks so far, in GiB (none before it has touched a GPU): PyTorch's
+    tensors and its caching allocator's reserve. A reserve far above the tensors is fragmentation, which packed rows
+    of varying lengths cause (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` is PyTorch's remedy)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def progress_line(stage: str, state, record: dict) -> str:

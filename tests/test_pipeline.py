@@ -206,6 +206,26 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     assert read_metrics(path) == []
 
 
+def test_every_record_carries_the_gpu_memory_high_water_marks(tmp_path, monkeypatch):
+    """Three SmolLM2 runs on one H200 ran out of memory beside a 135M model's distillation holding 72-84 GiB, and
+    nothing logged said whether tensors or the allocator's reserve held it. On CPU no record carries memory."""
+    import torch
+    from transformers import TrainerState
+
+    from pipeline.metrics import MetricsLogger, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(path)
+    logger.on_log(None, TrainerState(global_step=1), None, logs={"loss": 1.0})
+    assert not any(k.startswith("memory/") for k in read_metrics(path)[0])
+    for name, value in (("is_available", True), ("is_initialized", True), ("max_memory_allocated", 3 * 2**30),
+                        ("max_memory_reserved", 5 * 2**30)):
+        monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
+    logger.on_log(None, TrainerState(global_step=2), None, logs={"loss": 0.5})
+    last = read_metrics(path)[-1]
+    assert last["memory/max_allocated_gib"] == 3.0 and last["memory/max_reserved_gib"] == 5.0
+
+
 def test_an_empty_lock_file_is_named_not_misread(tmp_path):
     from pipeline.lock import LOCK_NAME, RunLock, RunLockedError
 
