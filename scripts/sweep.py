@@ -137,9 +137,10 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
              ) -> dict[str, dict]:
     """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``; with ``gpus``, each on
     the least busy of them), printing each as it ends; a variant's wall time counts from its own start. A run that
-    ran out of GPU memory beside others runs again next (it resumes from its last checkpoint; ``retried`` in its
-    result), and the sweep lowers ``parallel`` to the runs that were beside it: they fit, with one more they did not.
-    Each such lowering leaves fewer beside a run, so the retries end; a run out of memory alone fails."""
+    ran out of GPU memory beside others (on its GPU, with ``gpus``) runs again next (it resumes from its last
+    checkpoint; ``retried`` in its result), and the sweep lowers ``parallel`` to the runs that were beside it: they
+    fit, with one more they did not. Each such lowering leaves fewer beside a run, so the retries end; a run out of
+    memory alone fails."""
     env = {**os.environ, **RUN_ENV}
     waiting, procs, results, placed = list(runs), {}, {}, {}
     crowded, retried = set(), set()  # runs that ran beside another; runs started again after running out of memory
@@ -161,8 +162,8 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
             procs[name] = (subprocess.Popen(runs[name], stdout=log, stderr=subprocess.STDOUT, env=own), log,
                            time.time())
             crowded.discard(name)  # this start's company counts, not an earlier one's
-        if len(procs) > 1:
-            crowded.update(procs)
+        where = [placed[n] if gpus else "" for n in procs]  # each run's GPUs; without ``gpus``, all of them
+        crowded.update(n for n, at in zip(procs, where) if where.count(at) > 1)
         for name, (proc, log, started) in list(procs.items()):
             if proc.poll() is None:
                 continue

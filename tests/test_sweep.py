@@ -179,3 +179,6 @@ def test_a_run_out_of_gpu_memory_beside_others_runs_again_next_and_fewer_run_at_
     (tmp_path / "mark").unlink()
     alone = _run_all({"crowded": runs["crowded"]}, tmp_path, 3)
     assert alone["crowded"]["returncode"] == 1 and "retried" not in alone["crowded"]
+    (tmp_path / "mark").unlink()  # alone on its GPU, others on theirs: not crowded either
+    apart = _run_all({"busy": runs["busy"], "crowded": runs["crowded"]}, tmp_path, 2, gpus=["0", "1"])
+    assert apart["crowded"]["returncode"] == 1 and "retried" not in apart["crowded"]
