@@ -21,8 +21,9 @@ def gathered(q, pool_k, pool_v, tables, lengths, scale):
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim, prefetch", [
-    (2, 2, 16, False), (2, 2, 16, True), (6, 2, 32, False), (6, 2, 32, True),  # GQA
-    (3, 3, 64, True), (5, 5, 256, True)])  # real head sizes, odd head counts
+    (2, 2, 16, "none"), (2, 2, 16, "values"), (2, 2, 16, "both"),
+    (6, 2, 32, "none"), (6, 2, 32, "values"), (6, 2, 32, "both"),  # GQA
+    (3, 3, 64, "values"), (5, 5, 256, "both")])  # real head sizes, odd head counts
 def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim, prefetch):
     torch.manual_seed(0)
     block_size, num_blocks, B = 16, 12, 4
@@ -53,6 +54,10 @@ def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim,
 
 
 def test_shapes_it_cannot_take_are_refused():
+    pool = torch.zeros(2, 2, 16, 32)
+    with pytest.raises(ValueError, match="prefetch is one of none, values, both, not 'keys'"):
+        paged_decode_attention(torch.zeros(1, 2, 32), pool, pool, torch.zeros(1, 1, dtype=torch.long),
+                               torch.ones(1, dtype=torch.long), prefetch="keys")
     pool = torch.zeros(2, 2, 16, 24)
     with pytest.raises(ValueError, match="3 query heads over 2 KV heads of size 24"):
         paged_decode_attention(torch.zeros(1, 3, 24), pool, pool, torch.zeros(1, 1, dtype=torch.long),

@@ -12,7 +12,7 @@ tensor, then SDPA with the validity mask); the roofline reads every cached key a
 bandwidth.
 
 ``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``), as the engine
-runs it and with the next tile's loads issued before the current one is multiplied (``prefetch``), at 64 and 128
+runs it and with the next value tile (or key and value tiles) loaded a step ahead (``prefetch``), at 64 and 128
 tokens a tile, against each dtype's roofline. (Two other ways were measured slower on both dtypes at 8 and 64 x
 32k on one H200 and removed: the scores transposed, 1.45-1.51x bf16's roofline and 4.0x float8's; products summed
 on the CUDA cores, 2.7x and 5.4x.)
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels.bench_sse import bench, copy_bandwidth
-from kernels.paged_attention import default_splits, paged_decode_attention
+from kernels.paged_attention import PREFETCH, default_splits, paged_decode_attention
 
 
 def inputs(B: int, T: int, heads: int = 18, dim: int = 128, block_size: int = 256):
@@ -49,11 +49,11 @@ def gather_path(q, pool_k, pool_v, tables, lengths):
 
 
 def float8_ways(shapes: list[str], bandwidth: float) -> None:
-    """The kernel on bf16 and float8 pools, plain and prefetching, at two tile sizes: ms and x each dtype's
+    """The kernel on bf16 and float8 pools, each way of prefetching, at two tile sizes: ms and x each dtype's
     roofline."""
     from pipeline.rollout.cache import to_kv
 
-    print("| sequences x tokens | KV | loads | tokens a tile | kernel ms | roofline ms | x roofline | "
+    print("| sequences x tokens | KV | prefetch | tokens a tile | kernel ms | roofline ms | x roofline | "
           "max abs diff to bf16 |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in shapes:
@@ -64,12 +64,12 @@ def float8_ways(shapes: list[str], bandwidth: float) -> None:
                              ("float8", (to_kv(pool_k, torch.float8_e4m3fn), to_kv(pool_v, torch.float8_e4m3fn)))):
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
             for tile in (64, 128):
-                for prefetch in (False, True):
+                for prefetch in PREFETCH:
                     options = {"tokens_per_step": tile, "prefetch": prefetch}
                     out = paged_decode_attention(q, k, v, tables, lengths, **options)
                     ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
                     diff = (out.float() - reference).abs().max().item()
-                    print(f"| {B} x {T} | {name} | {'prefetched' if prefetch else 'in turn'} | {tile} | {ms:.3f} | "
+                    print(f"| {B} x {T} | {name} | {prefetch} | {tile} | {ms:.3f} | "
                           f"{roofline:.3f} | {ms / roofline:.2f}x | {diff:.1e} |", flush=True)
 
 
