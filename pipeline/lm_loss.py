@@ -8,6 +8,8 @@ tokenizer for every model, so the numbers compare a converted model with the Tra
 A model given as ``LABEL=PATH`` joins the arm ``LABEL``; several paths under one label are independent draws of it
 (runs of other seeds). Each arm is a row, its loss the mean over its draws, and its ratio to the first arm comes
 with a 95% interval that resamples each arm's draws and the records (``eval.metrics.hierarchical_bootstrap``).
+``--as-trained`` scores GSM8K solutions as distillation's rows have them (``pipeline.data.gsm8k_as_trained``): the
+same text without the calculator markup that no training row shows.
 
     sse-pipeline loss Transformer=runs/t0/distill/final Transformer=runs/t1/distill/final \\
         SSE-H=runs/s0/distill/final SSE-H=runs/s1/distill/final --data gsm8k_test --first 1319 --out loss.md
