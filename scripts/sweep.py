@@ -136,14 +136,15 @@ def ran_out_of_memory(log: Path) -> bool:
 def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[str] | None = None
              ) -> dict[str, dict]:
     """Runs the commands, ``parallel`` at a time (each one's output to ``out/<name>.log``; with ``gpus``, each on
-    the least busy of them), printing each as it ends; a variant's wall time counts from its own start. A run that
-    ran out of GPU memory beside others (on its GPU, with ``gpus``) runs again next (it resumes from its last
-    checkpoint; ``retried`` in its result), and the sweep lowers ``parallel`` to the runs that were beside it: they
-    fit, with one more they did not. Each such lowering leaves fewer beside a run, so the retries end; a run out of
-    memory alone fails."""
+    the least busy of them), printing each as it ends; a variant's wall time counts from its own start (every
+    attempt of a retried one). A run that ran out of GPU memory beside others (on its GPU, with ``gpus``) runs again
+    next (it resumes from its last checkpoint; ``retried`` in its result), and the sweep lowers ``parallel`` to the
+    runs that were beside it: they fit, with one more they did not. Each such lowering leaves fewer beside a run, so
+    the retries end; a run out of memory alone fails."""
     env = {**os.environ, **RUN_ENV}
     waiting, procs, results, placed = list(runs), {}, {}, {}
     crowded, retried = set(), set()  # runs that ran beside another; runs started again after running out of memory
+    spent = {}  # seconds of a retried run's earlier attempts: its wall time counts them too
     start, shown = time.time(), time.time()
     while waiting or procs:
         if time.time() - shown >= STATUS_EVERY_S:  # a line a minute while the variants run (their logs hold more)
@@ -172,11 +173,12 @@ def _run_all(runs: dict[str, list[str]], out: Path, parallel: int, gpus: list[st
             if proc.returncode and name in crowded and ran_out_of_memory(out / f"{name}.log"):
                 parallel = max(1, min(parallel - 1, len(procs)))
                 retried.add(name)
+                spent[name] = spent.get(name, 0.0) + time.time() - started
                 waiting.insert(0, name)
                 print(f"{name}: out of GPU memory beside other runs; it runs again next, {parallel} at a time from "
                       "now on", flush=True)
                 continue
-            results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started,
+            results[name] = {"returncode": proc.returncode, "wall_s": time.time() - started + spent.get(name, 0.0),
                              **({"gpu": placed[name]} if gpus else {}),
                              **({"retried": True} if name in retried else {})}
             print(f"{name}: {'done' if proc.returncode == 0 else f'failed ({proc.returncode})'} in "

@@ -159,12 +159,13 @@ def test_a_run_out_of_gpu_memory_beside_others_runs_again_next_and_fewer_run_at_
     beside it; one alone that runs out is not repeated, nor is a run that failed otherwise."""
     oom = ("import sys, time, pathlib; mark = pathlib.Path(sys.argv[1]); first = not mark.exists(); mark.touch(); "
            "open(sys.argv[2], 'a').write(f'{time.time()}\\n'); "
+           "first and time.sleep(float(sys.argv[3])); "
            "first and sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.34 GiB')")
-    timed = ("import sys, time; start = time.time(); time.sleep(1.5); "
+    timed = ("import sys, time; start = time.time(); time.sleep(float(sys.argv[2])); "
              "open(sys.argv[1], 'w').write(f'{start} {time.time()}')")
-    runs = {"crowded": [sys.executable, "-c", oom, str(tmp_path / "mark"), str(tmp_path / "starts")],
-            "busy": [sys.executable, "-c", timed, str(tmp_path / "busy")],
-            "later": [sys.executable, "-c", timed, str(tmp_path / "later")]}
+    runs = {"crowded": [sys.executable, "-c", oom, str(tmp_path / "mark"), str(tmp_path / "starts"), "2"],
+            "busy": [sys.executable, "-c", timed, str(tmp_path / "busy"), "2.5"],  # still running when crowded fails
+            "later": [sys.executable, "-c", timed, str(tmp_path / "later"), "0.5"]}
     results = _run_all(runs, tmp_path, 2)
     assert results["crowded"] == {**results["crowded"], "returncode": 0, "retried": True}
     assert results["busy"]["returncode"] == results["later"]["returncode"] == 0
@@ -173,10 +174,12 @@ def test_a_run_out_of_gpu_memory_beside_others_runs_again_next_and_fewer_run_at_
     later_start = float((tmp_path / "later").read_text().split()[0])
     # one at a time after the first run out of memory: crowded again once busy ended, before the run that waited
     assert len(starts) == 2 and busy_end <= starts[1] <= later_start
+    assert results["crowded"]["wall_s"] >= 2  # its first attempt counts too (the second alone takes about 1 s)
     broken = {"broken": [sys.executable, "-c", "import sys; sys.exit('KeyError: nothing to do with memory')"],
               "busy": runs["busy"]}
     assert "retried" not in _run_all(broken, tmp_path, 2)["broken"]
     (tmp_path / "mark").unlink()
+    runs["crowded"][-1] = "0"  # (no wait: nothing else runs)
     alone = _run_all({"crowded": runs["crowded"]}, tmp_path, 3)
     assert alone["crowded"]["returncode"] == 1 and "retried" not in alone["crowded"]
     (tmp_path / "mark").unlink()  # alone on its GPU, others on theirs: not crowded either
