@@ -115,3 +115,24 @@ def test_cache_declines_head_sizes_the_kernel_cannot_take_and_says_so_once(caplo
         assert not phi.decode_in_place and not phi.decode_in_place
     notes = [r.getMessage() for r in caplog.records if "declined" in r.getMessage()]
     assert len(notes) == 1 and "head size 80" in notes[0]
+
+
+def test_prefetched_float8_tiles_never_come_back_a_byte_at_a_time():
+    """The reason for ``prefetch`` (``docs/benchmarks.md``), read from the kernel compiled for sm_90 on the CPU: the
+    engine's way stages a float8 value tile that the value product then reads a byte at a time; prefetched, a tile
+    is widened in registers and read back from shared memory with ``ldmatrix``. ``benchmarks.kernels.paged_ptx``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    script = ("import json; from benchmarks.kernels.paged_ptx import counts, ptx; "
+              "print(json.dumps({p: counts(ptx('fp8', p, 64, 90)) for p in ('none', 'values', 'both')}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    moved = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1])
+    assert moved["none"].get("ld.shared.b8", 0) > 0
+    for prefetch in ("values", "both"):
+        way = moved[prefetch]
+        assert way.get("ld.shared.b8", 0) == 0 and way["ldmatrix"] > 0 and way["cvt e4m3"] > 0, (prefetch, way)

@@ -1,0 +1,76 @@
+"""What the compiler makes of the paged decode kernel, read without a GPU: its PTX for sm_90, per way of loading.
+
+    python -m benchmarks.kernels.paged_ptx                    # bf16 and float8 pools, each prefetch, 64 tokens a tile
+    python -m benchmarks.kernels.paged_ptx --tiles 64 128 --arch 90
+
+Compiles ``kernels/paged_attention.py``'s kernel as a launch at the engine's shape specializes it (one query head
+per KV head padded to 16 rows, head size 128, blocks of 256, 4 splits; pointers and strides divisible by 16) and
+counts, in its PTX, the instructions that move the key and value tiles: global loads and shared-memory loads by
+width, ``ldmatrix``, asynchronous copies and float8 conversions. Static counts of the loop body as compiled, not
+timings: they say which way a tile travels (``docs/benchmarks.md`` reads the float8 value tile's byte loads from
+them); ``benchmarks.kernels.bench_paged --fp8`` times the same ways on a GPU. The Triton installed here compiles;
+another version may compile otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter
+
+STRIDES = ("sq_b", "sq_h", "sk_blk", "sk_h", "sk_t", "st_b", "so_b", "so_h", "so_s")  # multiples of 16 at launch
+POINTERS = {"q": "*bf16", "tables": "*i64", "lengths": "*i64", "slots": "*i64", "o": "*fp32", "part_m": "*fp32",
+            "part_l": "*fp32"}
+
+
+def ptx(kv: str, prefetch: str, tile: int, arch: int) -> str:
+    """The kernel's PTX for ``kv`` pools (``bf16`` or ``fp8``) with ``prefetch`` and ``tile`` tokens a tile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.paged_attention import PREFETCH, _paged_decode_kernel as kernel
+
+    pool = {"bf16": "*bf16", "fp8": "*fp8e4nv"}[kv]
+    constants = dict(GROUP=1, GP=16, D=128, BLOCK_SIZE=256, BT=tile, SPLITS=4, F32=False, HAS_SLOTS=False,
+                     FP8=kv == "fp8", PREFETCH=PREFETCH.index(prefetch))
+    names = kernel.arg_names
+    types = {**POINTERS, "pool_k": pool, "pool_v": pool, "scale": "fp32"}
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if signature[n].startswith("*") or n in STRIDES]
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(n),): v for n, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+
+
+def counts(code: str) -> Counter:
+    """The tile-moving instructions of ``code`` by kind."""
+    found = Counter()
+    for op in re.findall(r"\b(ld\.global[.\w]*|ld\.shared[.\w]*|ldmatrix[.\w]*|cp\.async\.c[ag][.\w]*)", code):
+        kind = op.split(".")[0] if op.startswith(("ldmatrix", "cp")) else op
+        found["cp.async" if op.startswith("cp") else kind] += 1
+    found["cvt e4m3"] = len(re.findall(r"cvt\.\w+\.f16x2\.e4m3x2", code))
+    return found
+
+
+def main() -> None:
+    from kernels.paged_attention import PREFETCH
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiles", type=int, nargs="+", default=[64])
+    parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: Hopper)")
+    args = parser.parse_args()
+    rows = [(kv, prefetch, tile, counts(ptx(kv, prefetch, tile, args.arch)))
+            for tile in args.tiles for kv in ("bf16", "fp8") for prefetch in PREFETCH]
+    kinds = sorted({k for *_, c in rows for k in c if c[k]})
+    print(f"Tile-moving instructions in the paged kernel's PTX (sm_{args.arch}, static counts):\n")
+    print("| KV | prefetch | tokens a tile | " + " | ".join(f"`{k}`" for k in kinds) + " |")
+    print("|---|---|---|" + "---:|" * len(kinds))
+    for kv, prefetch, tile, c in rows:
+        print(f"| {kv} | {prefetch} | {tile} | " + " | ".join(str(c[k]) for k in kinds) + " |")
+
+
+if __name__ == "__main__":
+    main()
