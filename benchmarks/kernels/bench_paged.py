@@ -12,8 +12,8 @@ tensor, then SDPA with the validity mask); the roofline reads every cached key a
 bandwidth.
 
 ``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``), as the engine
-runs it and with the next value tile (or key and value tiles) loaded a step ahead (``prefetch``), at 64 and 128
-tokens a tile, against each dtype's roofline. (Two other ways were measured slower on both dtypes at 8 and 64 x
+runs it and with the next value tile (or key and value tiles) loaded a step ahead (``prefetch``), at 32, 64 and
+128 tokens a tile, against each dtype's roofline. (Two other ways were measured slower on both dtypes at 8 and 64 x
 32k on one H200 and removed: the scores transposed, 1.45-1.51x bf16's roofline and 4.0x float8's; products summed
 on the CUDA cores, 2.7x and 5.4x.)
 """
@@ -63,7 +63,7 @@ def float8_ways(shapes: list[str], bandwidth: float) -> None:
         for name, (k, v) in (("bf16", (pool_k, pool_v)),
                              ("float8", (to_kv(pool_k, torch.float8_e4m3fn), to_kv(pool_v, torch.float8_e4m3fn)))):
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
-            for tile in (64, 128):
+            for tile in (32, 64, 128):
                 for prefetch in PREFETCH:
                     options = {"tokens_per_step": tile, "prefetch": prefetch}
                     out = paged_decode_attention(q, k, v, tables, lengths, **options)

@@ -1,12 +1,13 @@
 """What the compiler makes of the paged decode kernel, read without a GPU: its PTX for sm_90, per way of loading.
 
     python -m benchmarks.kernels.paged_ptx                    # bf16 and float8 pools, each prefetch, 64 tokens a tile
-    python -m benchmarks.kernels.paged_ptx --tiles 64 128 --arch 90
+    python -m benchmarks.kernels.paged_ptx --tiles 32 64 128 --arch 90
 
 Compiles ``kernels/paged_attention.py``'s kernel as a launch at the engine's shape specializes it (one query head
 per KV head padded to 16 rows, head size 128, blocks of 256, 4 splits; pointers and strides divisible by 16) and
 counts, in its PTX, the instructions that move the key and value tiles: global loads and shared-memory loads by
-width, ``ldmatrix``, asynchronous copies and float8 conversions. Static counts of the loop body as compiled, not
+width, ``ldmatrix``, asynchronous copies and float8 conversions; and from its cubin the registers a thread holds,
+hence how many programs an SM runs at once. Static counts of the loop body as compiled, not
 timings: they say which way a tile travels (``docs/benchmarks.md`` reads the float8 value tile's byte loads from
 them); ``benchmarks.kernels.bench_paged --fp8`` times the same ways on a GPU. The Triton installed here compiles;
 another version may compile otherwise.
@@ -18,13 +19,14 @@ import argparse
 import re
 from collections import Counter
 
+WARPS = 8  # as paged_decode_attention launches it
 STRIDES = ("sq_b", "sq_h", "sk_blk", "sk_h", "sk_t", "st_b", "so_b", "so_h", "so_s")  # multiples of 16 at launch
 POINTERS = {"q": "*bf16", "tables": "*i64", "lengths": "*i64", "slots": "*i64", "o": "*fp32", "part_m": "*fp32",
             "part_l": "*fp32"}
 
 
-def ptx(kv: str, prefetch: str, tile: int, arch: int) -> str:
-    """The kernel's PTX for ``kv`` pools (``bf16`` or ``fp8``) with ``prefetch`` and ``tile`` tokens a tile."""
+def compiled(kv: str, prefetch: str, tile: int, arch: int):
+    """The kernel compiled for ``kv`` pools (``bf16`` or ``fp8``) with ``prefetch`` and ``tile`` tokens a tile."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,8 +43,40 @@ def ptx(kv: str, prefetch: str, tile: int, arch: int) -> str:
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": WARPS, "num_stages": 3})
+
+
+def ptx(kv: str, prefetch: str, tile: int, arch: int) -> str:
+    return compiled(kv, prefetch, tile, arch).asm["ptx"]
+
+
+def registers(kernel) -> int | None:
+    """Registers a thread of ``kernel`` (a compiled kernel) holds, from its cubin (``cuobjdump``, which Triton's
+    NVIDIA backend ships); None where that tool is missing."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return int(found.group(1)) if found else None
+
+
+def programs_per_sm(regs: int | None, shared: int) -> int | None:
+    """How many programs of ``WARPS`` warps one Hopper SM holds at once, by registers (64k, allocated 8 a thread at
+    a time) and shared memory (228 KiB): the tiles in flight that hide the memory's latency."""
+    if regs is None:
+        return None
+    by_registers = 65536 // (-(-regs // 8) * 8 * 32 * WARPS)
+    return min(by_registers, 228 * 1024 // max(shared, 1), 32)
 
 
 def counts(code: str) -> Counter:
@@ -62,14 +96,22 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, nargs="+", default=[64])
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: Hopper)")
     args = parser.parse_args()
-    rows = [(kv, prefetch, tile, counts(ptx(kv, prefetch, tile, args.arch)))
-            for tile in args.tiles for kv in ("bf16", "fp8") for prefetch in PREFETCH]
-    kinds = sorted({k for *_, c in rows for k in c if c[k]})
-    print(f"Tile-moving instructions in the paged kernel's PTX (sm_{args.arch}, static counts):\n")
-    print("| KV | prefetch | tokens a tile | " + " | ".join(f"`{k}`" for k in kinds) + " |")
-    print("|---|---|---|" + "---:|" * len(kinds))
-    for kv, prefetch, tile, c in rows:
-        print(f"| {kv} | {prefetch} | {tile} | " + " | ".join(str(c[k]) for k in kinds) + " |")
+    rows = []
+    for tile in args.tiles:
+        for kv in ("bf16", "fp8"):
+            for prefetch in PREFETCH:
+                kernel = compiled(kv, prefetch, tile, args.arch)
+                regs = registers(kernel)
+                rows.append((kv, prefetch, tile, counts(kernel.asm["ptx"]), regs,
+                             programs_per_sm(regs, kernel.metadata.shared)))
+    kinds = sorted({k for *_, c, _, _ in rows for k in c if c[k]})
+    print(f"Tile-moving instructions in the paged kernel's PTX (sm_{args.arch}, static counts), its registers a thread "
+          f"and the programs of {WARPS} warps an SM holds:\n")
+    print("| KV | prefetch | tokens a tile | " + " | ".join(f"`{k}`" for k in kinds) +
+          " | registers | programs an SM |")
+    print("|---|---|---|" + "---:|" * (len(kinds) + 2))
+    for kv, prefetch, tile, c, regs, programs in rows:
+        print(f"| {kv} | {prefetch} | {tile} | " + " | ".join(str(c[k]) for k in kinds) + f" | {regs} | {programs} |")
 
 
 if __name__ == "__main__":
