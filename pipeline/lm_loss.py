@@ -221,8 +221,14 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
         raise ValueError(f"--first {first}: score at least one record")
     dataset = dataset.select(range(min(first, len(dataset))))
     if as_trained:  # the same solutions in distillation's format: what a model learned of it, not of GSM8K's markup
-        dataset = dataset.map(lambda row: {"completion": [
-            {**row["completion"][0], "content": gsm8k_as_trained(row["completion"][0]["content"])}]})
+        def rewritten(row, i):
+            try:
+                return {"completion": [{**row["completion"][0],
+                                        "content": gsm8k_as_trained(row["completion"][0]["content"])}]}
+            except ValueError as err:
+                raise ValueError(f"--as-trained: {data}, record {i}: {err}") from None
+
+        dataset = dataset.map(rewritten, with_indices=True)
     where = resolve_device(device)
     named = [(label, name, local_model(name)) for label, name in map(parse_model, models)]  # all before loading
     for _, name, path in named:

@@ -266,6 +266,7 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
                  "--out", str(table)]) == 0
     assert "solutions as distillation's rows have them" in table.read_text()
     assert json.loads(table.with_suffix(".json").read_text())["as_trained"] is True
+    assert main(["loss", str(path), "--data", "gsm8k_train", "--as-trained", "--first", "2", "--device", "cpu"]) == 2
     # a model of another tokenizer (the demo's characters) is read with its own, and no ratio is drawn across them
     # (it was read through the first model's: a loss of 4.389 reported without a word)
     from pipeline.run import run_recipe as run_demo

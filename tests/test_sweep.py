@@ -79,8 +79,8 @@ def test_two_variants_of_the_demo_run_at_once_and_are_tabled(tmp_path, capsys):
     assert "| fast | distill | " in table and "| slow | last | " in table
     assert " lenient)" in table  # each cell as the compare table writes it (the boxed reading first)
     assert table in capsys.readouterr().out
-    # a variant's command again (after the machine's end): every finished stage is
-    # skipped, and its row is the same run's again
+    # a variant's command again (after the machine's end): every finished stage is skipped, and its row is the same
+    # run's again
     assert main(["demo", "--out", str(tmp_path), "--set", *common, "--variant", "fast"]) == 0
     log = (tmp_path / "fast.log").read_text().rsplit("### sweep ", 1)[-1]  # this run's part (appended)
     assert all(f"{stage}: done, skipping" in log for stage in ("distill", "grpo", "eval")), log[-2000:]
@@ -177,7 +177,8 @@ def test_a_run_out_of_gpu_memory_beside_others_runs_again_next_and_fewer_run_at_
     assert results["crowded"]["wall_s"] >= 2  # its first attempt counts too (the second alone takes about 1 s)
     broken = {"broken": [sys.executable, "-c", "import sys; sys.exit('KeyError: nothing to do with memory')"],
               "busy": runs["busy"]}
-    assert "retried" not in _run_all(broken, tmp_path, 2)["broken"]
+    failed = _run_all(broken, tmp_path, 2)["broken"]
+    assert failed["returncode"] == 1 and "retried" not in failed
     (tmp_path / "mark").unlink()
     runs["crowded"][-1] = "0"  # (no wait: nothing else runs)
     alone = _run_all({"crowded": runs["crowded"]}, tmp_path, 3)
