@@ -121,19 +121,21 @@ def packs(lengths: list[int], budget: int) -> list[list[int]]:
 
 @torch.no_grad()
 def completion_loss(model, tokenizer, dataset, device: torch.device, name: str = "model",
-                    pack_tokens: int = PACK_TOKENS) -> LossResult:
-    """Teacher-forced loss and top-1 accuracy over the completions of ``dataset``. An SSE model reads records packed
-    into rows of up to ``pack_tokens`` (position ids restarting at each record: no state or attention crosses one),
-    as distillation reads them; another model (a transformers Llama) one record a forward."""
+                    pack_tokens: int = PACK_TOKENS, progress: bool = True) -> LossResult:
+    """Teacher-forced loss and top-1 accuracy over the completions of ``dataset``, on ``model`` where it is (on
+    ``device``). An SSE model reads records packed into rows of up to ``pack_tokens`` (position ids restarting at
+    each record: no state or attention crosses one), as distillation reads them; another model (a transformers
+    Llama) one record a forward."""
     from tqdm.auto import tqdm
 
     from sse_model import SSEForCausalLM
 
-    model.eval().to(device)
+    model.eval()
     encoded = [encode(tokenizer, row) for row in dataset]
     budget = pack_tokens if isinstance(model, SSEForCausalLM) else 1
     sums, tokens, correct = [], [], 0
-    bar = tqdm(total=len(encoded), desc=f"loss {name}", unit="record", dynamic_ncols=True, mininterval=10)
+    bar = tqdm(total=len(encoded), desc=f"loss {name}", unit="record", dynamic_ncols=True, mininterval=10,
+               disable=not progress)
     for group in packs([len(ids) for ids, _ in encoded], budget):
         records = [encoded[i] for i in group]
         x = torch.tensor([[t for ids, _ in records for t in ids]], device=device)
@@ -238,7 +240,7 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     for label, name, path in named:
         tokenizer = load_tokenizer(None, path)  # each model its own: another's ids would be noise to it
         vocabularies.add(hash(frozenset(tokenizer.get_vocab().items())))
-        model = packed_reader(load_pretrained(path, torch.float32))
+        model = packed_reader(load_pretrained(path, torch.float32)).to(where)
         result = completion_loss(model, tokenizer, dataset, where, name)
         result.label = label
         results.append(result)

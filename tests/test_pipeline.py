@@ -942,7 +942,7 @@ def test_a_file_split_is_sliced_as_datasets_slices_a_hub_split(tmp_path):
 def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_path):
     """``distill.eval_data``: the held-out solutions' teacher-forced loss in metrics.jsonl every ``eval_steps`` and
     for the final model: the mean over solutions of each one's loss per token, as ``sse-pipeline loss`` scores
-    that model's records."""
+    that model's records, and as one record a forward scores them."""
     import torch
 
     from pipeline.data import sft_dataset
@@ -964,13 +964,14 @@ def test_distillation_scores_held_out_solutions_as_the_loss_command_does(tmp_pat
     evaluations = [r for r in rows if "eval_loss" in r]
     scored = {r["step"]: r["eval_loss"] for r in evaluations}
     assert [r["step"] for r in evaluations] == [2, 3], rows  # every eval_steps and the last step, once each
-    # the 8 solutions one at a time, not packed into rows as training packs them
-    assert all(round(r["eval_runtime"] * r["eval_samples_per_second"]) == 8 for r in evaluations), evaluations
+    assert all(r["eval_records"] == 8 for r in evaluations), evaluations
     held_out = sft_dataset(DataSpec(source=str(data), split="train[-8:]"), recipe.prompt_instruction)
     model = load_pretrained(str(final), torch.float32)
-    expected = completion_loss(model, AutoTokenizer.from_pretrained(str(final)), held_out, torch.device("cpu"))
-    per_record = [loss / n for loss, n in zip(expected.record_losses, expected.record_tokens)]
-    assert scored[3] == pytest.approx(sum(per_record) / len(per_record), rel=1e-4), (scored, expected)
+    tokenizer = AutoTokenizer.from_pretrained(str(final))
+    for pack_tokens in (8192, 1):  # packed as distillation scored them; one record a forward
+        expected = completion_loss(model, tokenizer, held_out, torch.device("cpu"), pack_tokens=pack_tokens)
+        per_record = [loss / n for loss, n in zip(expected.record_losses, expected.record_tokens)]
+        assert scored[3] == pytest.approx(sum(per_record) / len(per_record), rel=1e-4), (pack_tokens, scored)
     assert scored[2] != pytest.approx(scored[3], rel=1e-6)  # the model of step 2, not the final one, at step 2
 
 

@@ -19,7 +19,7 @@ import math
 import time
 from pathlib import Path
 
-from pipeline.lm_loss import completion_loss, markdown
+from pipeline.lm_loss import completion_loss, group, markdown, packed_reader
 from pipeline.metrics import read_metrics
 from pipeline.recipe import DataSpec, load_recipe
 from pipeline.run import run_recipe, stage_runs
@@ -108,11 +108,11 @@ def main(argv=None) -> Path:
         data = data.select(range(min(args.first, len(data))))
         results = []
         for label, path in models:
-            model = load_pretrained(resolve(path), torch.float32)
+            model = packed_reader(load_pretrained(resolve(path), torch.float32)).to(device)
             results.append(completion_loss(model, tokenizer, data, device, label))
             del model
         lines += [f"## Assistant-token loss, first {len(data)} records of `{source}`", "",
-                  markdown(results, results[0].loss), ""]
+                  markdown(group(results), ratios=True), ""]
         print("\n".join(lines[-4:]), flush=True)
     report = out / "report.md"
     report.write_text("\n".join(lines))

@@ -35,10 +35,8 @@ def sft_config(recipe: Recipe, out_dir: Path, device, fsdp: bool = False) -> SFT
         "max_length": cfg.max_length if cfg.packing else None,  # TRL truncates only when packing (drop_overlong)
         "padding_free": True,
         "completion_only_loss": True,  # the dataset is prompt-completion (pipeline.data.sft_dataset)
-        # the held-out solutions one at a time: the Trainer averages its batches' losses, so eval_loss is the mean over
-        # solutions of each one's loss per token, the same on any number of workers (never the teacher's loss)
-        **({"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps,
-            "per_device_eval_batch_size": 1, "eval_packing": False, "prediction_loss_only": True}
+        # the held-out loss when these steps are reached (HeldOutLossMixin.evaluate scores it)
+        **({"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps, "prediction_loss_only": True}
            if cfg.eval_data else {}),
     })
     fsdp_precision(args)
@@ -97,9 +95,40 @@ class TeacherKLMixin:
         return (loss, None) if return_outputs else loss
 
 
-class SSESFTTrainer(BalanceLossMixin, TeacherKLMixin, SFTTrainer):
-    """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`) and, for converted models,
-    the teacher's logits as a second target (:class:`TeacherKLMixin`)."""
+class HeldOutLossMixin:
+    """``eval_loss`` on ``held_out`` (prompt-completion rows): the mean over solutions of each one's teacher-forced
+    loss per token, scored as ``sse-pipeline loss`` scores them (:func:`pipeline.lm_loss.completion_loss`: records
+    packed into rows, no state or attention crossing one), in a few forwards where the Trainer's loop took one a
+    record. Every worker scores every record: the same number on any worker count, and FSDP's ranks run the same
+    forwards."""
+
+    def __init__(self, *args, held_out=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held_out = held_out
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        if self.held_out is None or eval_dataset is not None:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        import time
+
+        from ..lm_loss import completion_loss
+
+        start = time.perf_counter()
+        scored = completion_loss(self.model, self.processing_class, self.held_out, self.args.device, "held-out",
+                                 progress=False)
+        per_record = [loss / max(n, 1) for loss, n in zip(scored.record_losses, scored.record_tokens)]
+        metrics = {f"{metric_key_prefix}_loss": sum(per_record) / max(len(per_record), 1),
+                   f"{metric_key_prefix}_records": len(per_record),
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+class SSESFTTrainer(BalanceLossMixin, TeacherKLMixin, HeldOutLossMixin, SFTTrainer):
+    """TRL's SFT with the SSE partition-balance loss added (see :mod:`pipeline.balance`), for converted models the
+    teacher's logits as a second target (:class:`TeacherKLMixin`), and the held-out loss scored packed
+    (:class:`HeldOutLossMixin`)."""
 
 
 def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, extra_callbacks: Sequence = ()) -> Path:
@@ -129,6 +158,7 @@ def run_distill(recipe: Recipe, out_dir: Path, start_from: Path | None = None, e
         args=sft_config(recipe, out_dir, device, fsdp),
         train_dataset=dataset,
         eval_dataset=held_out,
+        held_out=held_out,
         processing_class=tokenizer,
         callbacks=[*callbacks(recipe, "distill", out_dir), *extra_callbacks],
     )
