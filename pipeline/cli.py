@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     keep.add_argument("run", help="the run folder (its output_dir)")
     keep.add_argument("dest", help="a new folder for the kept files")
     loss = commands.add_parser("loss", help="assistant-token loss of models on worked solutions (conversion's yardstick)")
-    loss.add_argument("models", nargs="+", help="model folders, GGUF files or known model names, each as PATH or "
+    loss.add_argument("models", nargs="*", help="model folders, GGUF files or known model names, each as PATH or "
                                                 "LABEL=PATH (paths under one label are draws of one arm); the first "
                                                 "arm is the reference of the table's ratio column")
     loss.add_argument("--data", default="gsm8k_train", help="a data source with problem + solution (as in recipes)")
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="GSM8K solutions as distillation's rows have them (calculator annotations removed, the "
                            "closing '#### N' as 'The answer is \\boxed{N}.'): gsm8k_test in gsm8k_train's format")
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
+    loss.add_argument("--scored", nargs="+", default=[], metavar="JSON",
+                      help="results an earlier --out wrote (its .json), pooled as draws before the models scored now "
+                           "(same --data, --split, --first, --as-trained)")
     loss.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     loss.add_argument("--out", default=None, help="also write the markdown table here, every record's loss beside "
                                                    "it (.json) and a figure (.png)")
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out, args.split,
-                            args.as_trained))
+                            args.as_trained, args.scored))
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

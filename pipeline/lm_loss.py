@@ -8,11 +8,14 @@ tokenizer for every model, so the numbers compare a converted model with the Tra
 A model given as ``LABEL=PATH`` joins the arm ``LABEL``; several paths under one label are independent draws of it
 (runs of other seeds). Each arm is a row, its loss the mean over its draws, and its ratio to the first arm comes
 with a 95% interval that resamples each arm's draws and the records (``eval.metrics.hierarchical_bootstrap``).
+``--scored`` pools what earlier ``--out`` runs wrote (their ``.json``: every record's loss) with the models scored
+now, so the draws of an arm may come from several sessions or machines.
 ``--as-trained`` scores GSM8K solutions as distillation's rows have them (``pipeline.data.gsm8k_as_trained``): the
 same text without the calculator markup that no training row shows.
 
     sse-pipeline loss Transformer=runs/t0/distill/final Transformer=runs/t1/distill/final \\
         SSE-H=runs/s0/distill/final SSE-H=runs/s1/distill/final --data gsm8k_test --first 1319 --out loss.md
+    sse-pipeline loss SSE-H=runs/s2/distill/final --data gsm8k_test --first 1319 --scored loss.json --out loss2.md
     sse-pipeline loss smollm2-135m runs/smollm2-135m/align/final runs/smollm2-135m/distill/final \\
         --data gsm8k_train --first 24 --recipe smollm2-135m
 """
@@ -38,6 +41,30 @@ class LossResult:
     record_losses: list[float] = field(default_factory=list)  # each record's summed loss: what intervals resample
     record_tokens: list[int] = field(default_factory=list)  # and its scored tokens
     label: str = ""  # the arm this model is a draw of (its name when given alone)
+    vocabulary: str = ""  # a digest of the tokenizer's vocabulary: losses per token compare within one
+
+
+def vocabulary_digest(tokenizer) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+
+
+def load_scored(path: str, data: str, split: str, as_trained: bool, records: int) -> list[LossResult]:
+    """The results an earlier ``--out`` wrote beside its table (``.json``), as draws to pool with models scored now:
+    draws of one arm from other sessions or machines need no GPU again. Refused unless they scored the same
+    records (source, split, format, count)."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--scored {path}: {err}") from None
+    expected = {"data": data, "split": split, "as_trained": as_trained, "records": records}
+    for key, value in expected.items():
+        if saved.get(key) != value:
+            raise ValueError(f"--scored {path}: {key} is {saved.get(key)!r}, this table's is {value!r}; only scorings "
+                             f"of the same records pool")
+    fields = set(LossResult.__dataclass_fields__)
+    return [LossResult(**{k: v for k, v in m.items() if k in fields}) for m in saved.get("models", [])]
 
 
 @dataclass
@@ -211,7 +238,7 @@ def parse_model(argument: str) -> tuple[str, str]:
 
 
 def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None,
-         split: str = "train", as_trained: bool = False) -> str:
+         split: str = "train", as_trained: bool = False, scored_files: list[str] = ()) -> str:
     from .data import gsm8k_as_trained, sft_dataset
     from .models import load_tokenizer, local_model, resolve_device
     from .recipe import DataSpec, Recipe, load_recipe
@@ -231,29 +258,34 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
                 raise ValueError(f"--as-trained: {data}, record {i}: {err}") from None
 
         dataset = dataset.map(rewritten, with_indices=True)
+    # the earlier scorings first (in the order given), each checked before any model loads
+    results = [r for path in scored_files for r in load_scored(path, data, split, as_trained, len(dataset))]
+    if not results and not models:
+        raise ValueError("no model to score and no --scored results")
     where = resolve_device(device)
     named = [(label, name, local_model(name)) for label, name in map(parse_model, models)]  # all before loading
     for _, name, path in named:
         if not Path(path).exists():
             raise ValueError(f"{name}: no such model folder, file or cached known model")
-    results, vocabularies = [], set()
     for label, name, path in named:
         tokenizer = load_tokenizer(None, path)  # each model its own: another's ids would be noise to it
-        vocabularies.add(hash(frozenset(tokenizer.get_vocab().items())))
         model = packed_reader(load_pretrained(path, torch.float32)).to(where)
         result = completion_loss(model, tokenizer, dataset, where, name)
-        result.label = label
+        result.label, result.vocabulary = label, vocabulary_digest(tokenizer)
         results.append(result)
         del model
     arms = group(results)
-    # losses per token compare only over one tokenizer's tokens
-    comparable = len(arms) > 1 and len(vocabularies) == 1 and math.isfinite(arms[0].loss)
+    # losses per token compare only over one tokenizer's tokens (a result saved before digests were kept: its
+    # token count, which group() holds equal within an arm, stands for it)
+    vocabularies = {r.vocabulary for r in results if r.vocabulary}
+    comparable = (len(arms) > 1 and len(vocabularies) <= 1 and len({r.tokens for r in results}) == 1
+                  and math.isfinite(arms[0].loss))
     part = ("" if split == "train" else f", split `{split}`") + (", solutions as distillation's rows have them"
                                                                  if as_trained else "")
     scored = f"{len(dataset)} records of `{data}`{part}"
     text = (f"Assistant-token loss on the first {scored} (device {where}):\n\n"
             f"{markdown(arms, comparable)}\n")
-    if len(vocabularies) > 1:
+    if len(vocabularies) > 1 or len({r.tokens for r in results}) > 1:
         text += "\nThe models' tokenizers differ: each loss is per token of its own tokenizer, not comparable.\n"
     if out:
         from common.files import atomic_write

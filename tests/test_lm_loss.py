@@ -135,3 +135,37 @@ def test_gsm8k_solutions_read_as_distillation_rows_have_them():
     assert all(gsm8k_as_trained(r["solution"]) == gsm8k_as_trained(r["solution"], r["answer"]) for r in test)
     train = [json.loads(line) for line in PACKAGED["gsm8k_train"].open()]
     assert all("<<" not in r["solution"] and r["solution"].endswith(f"\\boxed{{{r['answer']}}}.") for r in train)
+
+
+def test_earlier_scorings_pool_as_draws_and_other_records_are_refused(tmp_path):
+    """``--scored``: the .json an earlier ``--out`` wrote comes back as its draws (one session's Transformer beside
+    another's SSE-H, one table); a scoring of other records (count, split, format) is refused naming the file."""
+    import json
+    from dataclasses import asdict
+
+    from pipeline.lm_loss import main
+
+    data = tmp_path / "solutions.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1?", "solution": f"{i + 1}"}) + "\n" for i in range(6)))
+    rng = random.Random(2)
+    base = [rng.uniform(5, 15) for _ in range(6)]
+
+    def saved(name, results, records=6, as_trained=False):
+        path = tmp_path / name
+        path.write_text(json.dumps({"data": str(data), "split": "train", "as_trained": as_trained, "records": records,
+                                    "models": [asdict(r) for r in results]}))
+        return str(path)
+
+    first = saved("a.json", [draw("T", base), draw("S", [1.2 * x for x in base])])
+    second = saved("b.json", [draw("T", [1.02 * x for x in base]), draw("S", [1.3 * x for x in base])])
+    out = tmp_path / "pooled.md"
+    text = main([], str(data), 6, None, "cpu", str(out), scored_files=[first, second])
+    rows = [line for line in text.splitlines() if line.startswith("| ")][2:]
+    assert rows[0].startswith("| T | 2 |") and rows[1].startswith("| S | 2 |"), text
+    assert f"| {1.25 / 1.01:.3f} (" in rows[1], rows[1]
+    assert json.loads(out.with_suffix(".json").read_text())["models"][3]["label"] == "S"
+    for name, kwargs, key in (("c.json", {"records": 5}, "records"), ("d.json", {"as_trained": True}, "as_trained")):
+        with pytest.raises(ValueError, match=rf"--scored .*{name}: {key} is"):
+            main([], str(data), 6, None, "cpu", None, scored_files=[first, saved(name, [draw("T", base)], **kwargs)])
+    with pytest.raises(ValueError, match="no model to score"):
+        main([], str(data), 6, None, "cpu", None)
