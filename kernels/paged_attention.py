@@ -44,7 +44,7 @@ def _paged_decode_kernel(
     q, pool_k, pool_v, tables, lengths, slots, o, part_m, part_l, scale, H,
     sq_b, sq_h, sk_blk, sk_h, sk_t, st_b, so_b, so_h, so_s,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLITS: tl.constexpr, F32: tl.constexpr, HAS_SLOTS: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -70,22 +70,9 @@ def _paged_decode_kernel(
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    if PREFETCH > 0:  # 1: the values' next tile loaded a step ahead into registers; 2: the keys' too
-        offs, valid = _tile(tables, row, hk, lo, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
-        v_next = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
-        if PREFETCH == 2:
-            k_next = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
-    for start in range(lo, hi, BT):
+    for start in range(lo, hi, BT):  # Triton's pipeliner stages the next tiles' loads ahead (num_stages)
         offs, valid = _tile(tables, row, hk, start, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
-        if PREFETCH > 0:  # the next tile's loads in flight while this one is widened and multiplied
-            v = v_next
-            offs_next, valid_next = _tile(tables, row, hk, start + BT, hi, st_b, sk_blk, sk_h, sk_t, D, BLOCK_SIZE, BT)
-            v_next = tl.load(pool_v + offs_next, mask=valid_next[:, None], other=0.0)
-            if PREFETCH == 2:
-                k = k_next
-                k_next = tl.load(pool_k + offs_next, mask=valid_next[:, None], other=0.0)
-        if PREFETCH < 2:  # keys now (and values after the scores): Triton's pipeliner stages them ahead
-            k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
+        k = tl.load(pool_k + offs, mask=valid[:, None], other=0.0)
         if F32:
             k = k.to(tl.float32)
         elif FP8:
@@ -96,8 +83,7 @@ def _paged_decode_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        if PREFETCH == 0:
-            v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(pool_v + offs, mask=valid[:, None], other=0.0)
         if F32:
             v = v.to(tl.float32)
         elif FP8:
@@ -131,7 +117,10 @@ def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.
     tl.store(o + row * D + d, out.to(o.dtype.element_ty))
 
 
-PREFETCH = ("none", "values", "both")  # tiles loaded a step ahead into registers (the kernel's PREFETCH: the index)
+STAGES = 3  # Triton's num_stages: how deep the pipeliner stages the next key and value tiles in shared memory.
+# A float8 stage holds half a bf16 stage's bytes, and float8's widening takes registers (112 a thread against 80,
+# so an SM holds 2 programs, not 3): ``benchmarks.kernels.paged_ptx`` reads both from the compiled kernel,
+# ``bench_paged --fp8`` times deeper pipelines and a register cap (``max_registers``) against it
 
 
 def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -143,23 +132,23 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
                            tokens_per_step: int = 64, splits: int | None = None,
-                           slots: torch.Tensor | None = None, prefetch: str = "none") -> torch.Tensor:
+                           slots: torch.Tensor | None = None, stages: int = STAGES,
+                           max_registers: int | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` (>= 1) cached tokens (float8 pools widened to fp16 as they are read). ``H`` a multiple of the
     pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
-    step, whose token :func:`rotary_store_decode` stored. ``prefetch``: ``"values"`` (or ``"both"``, keys too)
-    loads each program's next value tile into registers before multiplying the current one, where it is widened and
-    staged as fp16; Triton's pipeliner stages a float8 tile as it is, and the value product, which reads it
-    transposed, then takes it a byte at a time. ``benchmarks.kernels.bench_paged --fp8`` measures the three."""
+    step, whose token :func:`rotary_store_decode` stored. ``stages``: the pipeline's depth (``num_stages``);
+    ``max_registers``: a cap on a thread's registers (``maxnreg``; None: the compiler's choice), more programs to an
+    SM at the cost of spills."""
     B, H, D = q.shape
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
         raise ValueError(f"paged_decode_attention: {H} query heads over {H_kv} KV heads of size {D}")
-    if prefetch not in PREFETCH:
-        raise ValueError(f"paged_decode_attention: prefetch is one of {', '.join(PREFETCH)}, not {prefetch!r}")
+    if stages < 1:
+        raise ValueError(f"paged_decode_attention: stages {stages}: at least one tile in flight")
     if pool_k.stride(-1) != 1 or q.stride(-1) != 1 or pool_k.stride() != pool_v.stride():
         raise ValueError("paged_decode_attention: the head dimension must be contiguous, keys and values alike")
     splits = default_splits(B, H_kv, q.device) if splits is None else splits
@@ -178,8 +167,8 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
         BT=tokens_per_step, SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(),
-        HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, PREFETCH=PREFETCH.index(prefetch),
-        num_warps=8, num_stages=3,
+        HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, num_warps=8, num_stages=stages,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     if splits > 1:
         _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,

@@ -3,7 +3,7 @@ against gathering the blocks + SDPA (its path before, still its path with ``page
 roofline; prints one markdown table (GPU).
 
     python -m benchmarks.kernels.bench_paged [--shapes 256x1536 64x8192 8x32768]
-    python -m benchmarks.kernels.bench_paged --fp8 --shapes 64x16384 64x32768   # plain and prefetching, bf16 and float8
+    python -m benchmarks.kernels.bench_paged --fp8 --shapes 8x32768 64x32768   # launch settings, bf16 and float8
 
 Per shape ``BxT`` (sequences x cached tokens each; one attention layer of ``transformer-2b``/``sse-h-2b``: 18
 heads of 128, bf16, blocks of 256 tokens scattered over the pool): the gather path is what
@@ -11,11 +11,10 @@ heads of 128, bf16, blocks of 256 tokens scattered over the pool): the gather pa
 tensor, then SDPA with the validity mask); the roofline reads every cached key and value once at the measured copy
 bandwidth.
 
-``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``), as the engine
-runs it and with the next value tile (or key and value tiles) loaded a step ahead (``prefetch``), at 32, 64 and
-128 tokens a tile, against each dtype's roofline. (Two other ways were measured slower on both dtypes at 8 and 64 x
-32k on one H200 and removed: the scores transposed, 1.45-1.51x bf16's roofline and 4.0x float8's; products summed
-on the CUDA cores, 2.7x and 5.4x.)
+``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``) at each launch
+setting of ``LAUNCHES`` (tokens a tile, pipeline stages, register cap; the first is the engine's), against each
+dtype's roofline: which setting lets an SM hold enough of a float8 cache in flight (``benchmarks.kernels.paged_ptx``
+gives each setting's registers and shared memory).
 """
 
 from __future__ import annotations
@@ -26,7 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels.bench_sse import bench, copy_bandwidth
-from kernels.paged_attention import PREFETCH, default_splits, paged_decode_attention
+from kernels.paged_attention import STAGES, default_splits, paged_decode_attention
+
+# (tokens a tile, stages, register cap): the engine's first; then deeper pipelines, a cap that fits a third program
+# on an SM, and bigger tiles
+LAUNCHES = ((64, STAGES, None), (64, 5, None), (64, 3, 80), (64, 5, 80), (128, 2, None), (128, 3, None))
 
 
 def inputs(B: int, T: int, heads: int = 18, dim: int = 128, block_size: int = 256):
@@ -49,13 +52,12 @@ def gather_path(q, pool_k, pool_v, tables, lengths):
 
 
 def float8_ways(shapes: list[str], bandwidth: float) -> None:
-    """The kernel on bf16 and float8 pools, each way of prefetching, at two tile sizes: ms and x each dtype's
-    roofline."""
+    """The kernel on bf16 and float8 pools at each of ``LAUNCHES``: ms and x each dtype's roofline."""
     from pipeline.rollout.cache import to_kv
 
-    print("| sequences x tokens | KV | prefetch | tokens a tile | kernel ms | roofline ms | x roofline | "
+    print("| sequences x tokens | KV | tokens a tile | stages | register cap | kernel ms | roofline ms | x roofline | "
           "max abs diff to bf16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for shape in shapes:
         B, T = map(int, shape.split("x"))
         q, pool_k, pool_v, tables, lengths = inputs(B, T)
@@ -63,14 +65,13 @@ def float8_ways(shapes: list[str], bandwidth: float) -> None:
         for name, (k, v) in (("bf16", (pool_k, pool_v)),
                              ("float8", (to_kv(pool_k, torch.float8_e4m3fn), to_kv(pool_v, torch.float8_e4m3fn)))):
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
-            for tile in (32, 64, 128):
-                for prefetch in PREFETCH:
-                    options = {"tokens_per_step": tile, "prefetch": prefetch}
-                    out = paged_decode_attention(q, k, v, tables, lengths, **options)
-                    ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
-                    diff = (out.float() - reference).abs().max().item()
-                    print(f"| {B} x {T} | {name} | {prefetch} | {tile} | {ms:.3f} | "
-                          f"{roofline:.3f} | {ms / roofline:.2f}x | {diff:.1e} |", flush=True)
+            for tile, stages, cap in LAUNCHES:
+                options = {"tokens_per_step": tile, "stages": stages, "max_registers": cap}
+                out = paged_decode_attention(q, k, v, tables, lengths, **options)
+                ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
+                diff = (out.float() - reference).abs().max().item()
+                print(f"| {B} x {T} | {name} | {tile} | {stages} | {cap or ''} | {ms:.3f} | "
+                      f"{roofline:.3f} | {ms / roofline:.2f}x | {diff:.1e} |", flush=True)
 
 
 def main() -> None:

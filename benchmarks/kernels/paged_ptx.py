@@ -1,15 +1,15 @@
-"""What the compiler makes of the paged decode kernel, read without a GPU: its PTX for sm_90, per way of loading.
+"""What the compiler makes of the paged decode kernel, read without a GPU: its PTX for sm_90, per launch setting.
 
-    python -m benchmarks.kernels.paged_ptx                    # bf16 and float8 pools, each prefetch, 64 tokens a tile
-    python -m benchmarks.kernels.paged_ptx --tiles 32 64 128 --arch 90
+    python -m benchmarks.kernels.paged_ptx [--arch 90]    # bf16 and float8 pools at bench_paged's LAUNCHES
 
 Compiles ``kernels/paged_attention.py``'s kernel as a launch at the engine's shape specializes it (one query head
 per KV head padded to 16 rows, head size 128, blocks of 256, 4 splits; pointers and strides divisible by 16) and
 counts, in its PTX, the instructions that move the key and value tiles: global loads and shared-memory loads by
 width, ``ldmatrix``, asynchronous copies and float8 conversions; and from its cubin the registers a thread holds,
-hence how many programs an SM runs at once. Static counts of the loop body as compiled, not
-timings: they say which way a tile travels (``docs/benchmarks.md`` reads the float8 value tile's byte loads from
-them); ``benchmarks.kernels.bench_paged --fp8`` times the same ways on a GPU. The Triton installed here compiles;
+and its shared memory, hence how many programs an SM runs at once and how much of the cache they stage together.
+Static counts of the loop body as compiled, not timings: they say which way a tile travels and how much of the cache
+is on its way at once (``docs/benchmarks.md``); ``benchmarks.kernels.bench_paged --fp8`` times the same launches on
+a GPU. The Triton installed here compiles;
 another version may compile otherwise.
 """
 
@@ -25,17 +25,18 @@ POINTERS = {"q": "*bf16", "tables": "*i64", "lengths": "*i64", "slots": "*i64", 
             "part_l": "*fp32"}
 
 
-def compiled(kv: str, prefetch: str, tile: int, arch: int):
-    """The kernel compiled for ``kv`` pools (``bf16`` or ``fp8``) with ``prefetch`` and ``tile`` tokens a tile."""
+def compiled(kv: str, tile: int, arch: int, stages: int = 3, max_registers: int | None = None):
+    """The kernel compiled for ``kv`` pools (``bf16`` or ``fp8``), ``tile`` tokens a tile, ``stages`` deep, its
+    registers capped at ``max_registers``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.paged_attention import PREFETCH, _paged_decode_kernel as kernel
+    from kernels.paged_attention import _paged_decode_kernel as kernel
 
     pool = {"bf16": "*bf16", "fp8": "*fp8e4nv"}[kv]
     constants = dict(GROUP=1, GP=16, D=128, BLOCK_SIZE=256, BT=tile, SPLITS=4, F32=False, HAS_SLOTS=False,
-                     FP8=kv == "fp8", PREFETCH=PREFETCH.index(prefetch))
+                     FP8=kv == "fp8")
     names = kernel.arg_names
     types = {**POINTERS, "pool_k": pool, "pool_v": pool, "scale": "fp32"}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
@@ -43,16 +44,18 @@ def compiled(kv: str, prefetch: str, tile: int, arch: int):
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": WARPS, "num_stages": 3})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": WARPS, "num_stages": stages,
+                                   **({} if max_registers is None else {"maxnreg": max_registers})})
 
 
-def ptx(kv: str, prefetch: str, tile: int, arch: int) -> str:
-    return compiled(kv, prefetch, tile, arch).asm["ptx"]
+def ptx(kv: str, tile: int, arch: int, stages: int = 3) -> str:
+    return compiled(kv, tile, arch, stages).asm["ptx"]
 
 
-def registers(kernel) -> int | None:
-    """Registers a thread of ``kernel`` (a compiled kernel) holds, from its cubin (``cuobjdump``, which Triton's
-    NVIDIA backend ships); None where that tool is missing."""
+def registers(kernel) -> tuple[int | None, int | None]:
+    """Registers a thread of ``kernel`` (a compiled kernel) holds and its stack bytes (spills), from its cubin
+    (``cuobjdump``, which Triton's NVIDIA backend ships); Nones where that tool is missing."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -61,13 +64,13 @@ def registers(kernel) -> int | None:
 
     tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
     if not tool.exists():
-        return None
+        return None, None
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+)", usage)
-    return int(found.group(1)) if found else None
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return (int(regs.group(1)) if regs else None), (int(stack.group(1)) if stack else None)
 
 
 def programs_per_sm(regs: int | None, shared: int) -> int | None:
@@ -90,28 +93,29 @@ def counts(code: str) -> Counter:
 
 
 def main() -> None:
-    from kernels.paged_attention import PREFETCH
+    from benchmarks.kernels.bench_paged import LAUNCHES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiles", type=int, nargs="+", default=[64])
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: Hopper)")
     args = parser.parse_args()
     rows = []
-    for tile in args.tiles:
-        for kv in ("bf16", "fp8"):
-            for prefetch in PREFETCH:
-                kernel = compiled(kv, prefetch, tile, args.arch)
-                regs = registers(kernel)
-                rows.append((kv, prefetch, tile, counts(kernel.asm["ptx"]), regs,
-                             programs_per_sm(regs, kernel.metadata.shared)))
-    kinds = sorted({k for *_, c, _, _ in rows for k in c if c[k]})
-    print(f"Tile-moving instructions in the paged kernel's PTX (sm_{args.arch}, static counts), its registers a thread "
-          f"and the programs of {WARPS} warps an SM holds:\n")
-    print("| KV | prefetch | tokens a tile | " + " | ".join(f"`{k}`" for k in kinds) +
-          " | registers | programs an SM |")
-    print("|---|---|---|" + "---:|" * (len(kinds) + 2))
-    for kv, prefetch, tile, c, regs, programs in rows:
-        print(f"| {kv} | {prefetch} | {tile} | " + " | ".join(str(c[k]) for k in kinds) + f" | {regs} | {programs} |")
+    for kv in ("bf16", "fp8"):
+        for tile, stages, cap in LAUNCHES:
+            kernel = compiled(kv, tile, args.arch, stages, cap)
+            (regs, stack), shared = registers(kernel), kernel.metadata.shared
+            rows.append((kv, tile, stages, cap, counts(kernel.asm["ptx"]), regs, stack, shared,
+                         programs_per_sm(regs, shared)))
+    kinds = sorted({k for *_, c, _, _, _, _ in rows for k in c if c[k]})
+    print(f"Tile-moving instructions in the paged kernel's PTX (sm_{args.arch}, static counts), a thread's registers "
+          f"and spilled bytes, the shared memory that stages the tiles, and the programs of {WARPS} warps an SM holds "
+          f"with their shared memory together:\n")
+    print("| KV | tokens a tile | stages | register cap | " + " | ".join(f"`{k}`" for k in kinds) +
+          " | registers | stack bytes | shared KiB | programs an SM | shared KiB an SM |")
+    print("|---|---:|---:|---:|" + "---:|" * (len(kinds) + 5))
+    for kv, tile, stages, cap, c, regs, stack, shared, programs in rows:
+        held = "" if programs is None else f"{programs * shared / 1024:.0f}"
+        print(f"| {kv} | {tile} | {stages} | {cap or ''} | " + " | ".join(str(c[k]) for k in kinds) +
+              f" | {regs} | {stack} | {shared / 1024:.0f} | {programs} | {held} |")
 
 
 if __name__ == "__main__":
