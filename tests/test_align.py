@@ -221,3 +221,46 @@ def test_the_teacher_and_the_aligned_layers_run_in_the_trainings_precision(tmp_p
     trainer.train()
     assert seen["teacher"] and seen["student"]
     assert all(seen["teacher"]) and all(seen["student"]), seen
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
+def test_distillation_loss_in_chunks_is_the_whole_loss_and_keeps_only_the_logits(dtype, tol):
+    """``distillation_sums`` over chunks of positions: the whole float32 loss's value and gradient (the logits as
+    the models return them, float32 or bf16), while what autograd keeps for the backward pass is no more than the
+    logits themselves; the same computation over all positions at once keeps three float32 copies."""
+    from pipeline.stages.distill import _sums, distillation_sums
+
+    torch.manual_seed(0)
+    T, w = 2.0, 0.7
+    student = (3 * torch.randn(37, 50)).to(dtype).requires_grad_()
+    teacher = (3 * torch.randn(37, 50)).to(dtype)
+    target = torch.randint(0, 50, (37,))
+
+    def by_hand(s):
+        s = s.float()
+        p = torch.log_softmax(teacher.float() / T, -1)
+        q = torch.log_softmax(s / T, -1)
+        return (torch.nn.functional.cross_entropy(s, target, reduction="sum"),
+                (p.exp() * (p - q)).sum() * T * T)
+
+    kept = {}
+
+    def pack(x):
+        kept[id(x)] = x.numel() * x.element_size()
+        return x
+
+    def run(sums):
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            ce, kl = sums()
+        loss = (1 - w) * ce + w * kl
+        return loss, torch.autograd.grad(loss, student)[0], sum(kept.values())
+
+    loss, grad, saved = run(lambda: distillation_sums(student, teacher, target, T, chunk=8))
+    want_loss, want_grad, _ = run(lambda: by_hand(student))
+    torch.testing.assert_close(loss, want_loss, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad.float(), want_grad.float(), rtol=tol, atol=tol)
+    # the same float32 computation over all positions at once (the loss before chunks): three float32 copies
+    _, _, saved_whole = run(lambda: _sums(student, teacher, target, T))
+    logits = (student.numel() + teacher.numel()) * student.element_size() + target.numel() * 8
+    assert saved <= logits < saved_whole / 1.4, (saved, logits, saved_whole)
