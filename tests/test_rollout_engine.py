@@ -781,12 +781,30 @@ def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
     trainer = SSEForCausalLM(config).eval()
     engine = Engine(copy.deepcopy(trainer), None, max_slots=1, max_model_len=512, prefill_chunk_size=64,
                     use_cuda_graphs=False)
-    row = measure(trainer, engine, 200, 12, torch.device("cpu"), seed=1, routing=True)
+    prompt = torch.randint(0, config.vocab_size, (200,)).tolist()
+    row = measure(trainer, engine, prompt, 12, torch.device("cpu"), seed=1, routing=True)
     assert row["tokens"] == 12 and row["trainer_fp32"] == 0.0  # no autocast on the CPU: the trainer is float32
     assert row["engine_fp32"] == row["mean"] < 1e-4
     # every position routed alike (prefill chunks and decode steps against one forward), and the records closed
     assert row["prompt_flips"] == row["sampled_flips"] == row["tokens_flipped"] == 0.0
     assert all(layer.routing_record is None for layer in sse_layers(trainer) + sse_layers(engine.model))
+
+
+def test_a_trained_model_reads_gsm8k_text_of_the_length_asked():
+    """``bench_numerics --model``: a trained model's prompt is text (GSM8K test's problems and worked solutions end
+    to end), cut at the position measured; another start for each position."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.rollout.bench_numerics import text_prompt
+    from pipeline.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    first = json.loads((Path(__file__).parents[1] / "eval" / "data" / "gsm8k_test.jsonl").open().readline())
+    record = tokenizer(f"{first['problem']}\n{first['solution']}\n\n", add_special_tokens=False)["input_ids"]
+    ids = text_prompt(tokenizer, len(record) + 50)
+    assert len(ids) == len(record) + 50 and ids[:len(record)] == record
+    assert text_prompt(tokenizer, len(record), skip=100) != record
 
 
 def test_a_routing_flip_is_a_different_set_of_partitions_not_another_order():

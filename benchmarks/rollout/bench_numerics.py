@@ -7,7 +7,9 @@ same tokens. Prints, per position, mean and max |logp_engine - logp_trainer| and
 that GRPO's correction would see (mean, min, max, fraction outside [1/2, 2]), for each ``--residual`` of the
 engine: its skip connections in the weights' dtype, or in float32 as the trainer adds them (``residual_dtype``).
 Beside them, how far each is from the same weights computed in float32 throughout (no autocast): the gap two
-bf16 computations of one model leave between them is what neither can close alone. Random weights.
+bf16 computations of one model leave between them is what neither can close alone. Random weights and random
+prompts, or, with ``--model``, a trained checkpoint reading GSM8K test's worked solutions laid end to end (a
+softmax layer's keys and values then have the outliers training gives them, which a float8 cache must hold).
 
 Routing: each SSE layer's top-k partition choice at every position, engine (chunked prefill, then one decode step a
 token) against trainer: the share of (token, layer) pairs whose write or read partitions differ, over the prompt and
@@ -16,6 +18,7 @@ sampled tokens with and without one: if flips carry the gap, replaying the engin
 
     python -m benchmarks.rollout.bench_numerics                                # sse-h-2b at 2k, 8k, 32k (GPU)
     python -m benchmarks.rollout.bench_numerics --preset sse-h-tiny --positions 256 1024 --device cpu
+    python -m benchmarks.rollout.bench_numerics --model smollm2-135m --positions 512 2048 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -72,10 +75,24 @@ def flips(engine: torch.Tensor, trainer: torch.Tensor, writers: int, readers: in
     return differ(writers) | differ(readers)
 
 
-def measure(trainer_model, engine: Engine, position: int, new_tokens: int, device: torch.device, seed: int,
+def text_prompt(tokenizer, length: int, skip: int = 0) -> list[int]:
+    """``length`` tokens of GSM8K test's problems and worked solutions laid end to end, from record ``skip`` on."""
+    import json
+    from pathlib import Path
+
+    ids: list[int] = []
+    lines = (Path(__file__).resolve().parents[2] / "eval" / "data" / "gsm8k_test.jsonl").read_text().splitlines()
+    for line in lines[skip:] + lines[:skip]:
+        record = json.loads(line)
+        ids += tokenizer(f"{record['problem']}\n{record['solution']}\n\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            return ids[:length]
+    raise ValueError(f"GSM8K test holds fewer than {length} tokens")
+
+
+def measure(trainer_model, engine: Engine, prompt: list[int], new_tokens: int, device: torch.device, seed: int,
             routing: bool = False) -> dict:
-    vocab = trainer_model.config.vocab_size
-    prompt = torch.randint(0, vocab, (position,), generator=torch.Generator().manual_seed(seed)).tolist()
+    position = len(prompt)
     engine_records = recording(engine.model) if routing else None
     start = time.perf_counter()
     out = engine.generate(prompt, SamplingParams(max_tokens=new_tokens, seed=seed, ignore_eos=True))[0].outputs[0]
@@ -110,6 +127,8 @@ def measure(trainer_model, engine: Engine, position: int, new_tokens: int, devic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="sse-h-2b")
+    parser.add_argument("--model", default=None, help="a trained checkpoint (folder, GGUF or known model) instead "
+                                                      "of the preset's random weights, reading text")
     parser.add_argument("--positions", type=int, nargs="+", default=[2048, 8192, 32000])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -131,19 +150,37 @@ def main() -> None:
 
         kernels.register()
     torch.manual_seed(args.seed)
-    config = SSEConfig.from_preset(args.preset, max_position_embeddings=max(args.positions) + args.new_tokens)
-    trainer_model = SSEForCausalLM(config).to(device).eval()  # float32 master weights
+    longest = max(args.positions) + args.new_tokens
+    if args.model:
+        from pipeline.lm_loss import packed_reader
+        from pipeline.models import load_tokenizer, local_model
+        from sse_model.checkpoint import load_pretrained
+
+        path = local_model(args.model)
+        trainer_model = packed_reader(load_pretrained(path, torch.float32)).to(device).eval()
+        if longest > trainer_model.config.max_position_embeddings:
+            parser.error(f"--positions: {longest} tokens with the sampled ones, beyond {args.model}'s "
+                         f"{trainer_model.config.max_position_embeddings}")
+        tokenizer = load_tokenizer(None, path)
+        prompts = [text_prompt(tokenizer, p, skip=100 * i) for i, p in enumerate(args.positions)]
+        name = args.model
+    else:
+        config = SSEConfig.from_preset(args.preset, max_position_embeddings=longest)
+        trainer_model = SSEForCausalLM(config).to(device).eval()  # float32 master weights
+        generator = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(0, config.vocab_size, (p,), generator=generator).tolist() for p in args.positions]
+        name = args.preset
     rows = []
     for residual in args.residual:
         engine_model = copy.deepcopy(trainer_model).to(getattr(torch, args.engine_dtype))
-        engine = Engine(engine_model, None, max_slots=1, max_model_len=max(args.positions) + args.new_tokens,
+        engine = Engine(engine_model, None, max_slots=1, max_model_len=longest,
                         prefill_chunk_size=8192, use_cuda_graphs=False, kv_cache_dtype=args.kv_cache_dtype,
                         state_cache_dtype=args.state_cache_dtype,
                         residual_dtype=torch.float32 if residual == "float32" else None)
-        rows += [{"residual": residual, **measure(trainer_model, engine, p, args.new_tokens, device, args.seed + i,
-                                                  args.routing)} for i, p in enumerate(args.positions)]
+        rows += [{"residual": residual, **measure(trainer_model, engine, prompt, args.new_tokens, device, args.seed + i,
+                                                  args.routing)} for i, prompt in enumerate(prompts)]
         del engine, engine_model
-    print(f"\n{args.preset}: engine {args.engine_dtype} (KV cache {args.kv_cache_dtype}, states "
+    print(f"\n{name}: engine {args.engine_dtype} (KV cache {args.kv_cache_dtype}, states "
           f"{args.state_cache_dtype}) vs trainer float32 weights"
           f"{' under bf16 autocast' if device.type == 'cuda' else ''}, {args.new_tokens} sampled tokens per position "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'})\n")
