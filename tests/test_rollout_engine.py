@@ -807,6 +807,29 @@ def test_a_trained_model_reads_gsm8k_text_of_the_length_asked():
     assert text_prompt(tokenizer, len(record), skip=100) != record
 
 
+def test_kv_rounding_reads_every_softmax_layers_keys_and_values_and_leaves_the_model_as_it_was():
+    """``benchmarks.rollout.kv_rounding``: a row per token and head from each softmax layer, the model's forward
+    unchanged afterwards; on such rows bf16 rounds finer than int8 with a scale per row, int8 finer than float8."""
+    from benchmarks.rollout.kv_rounding import FORMATS, captured, relative_error
+    from sse_model.layers.attention import SoftmaxAttention
+
+    torch.manual_seed(3)
+    model = SSEForCausalLM(SSEConfig.from_preset("sse-h-tiny")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        before = model(ids).logits
+    seen = captured(model, ids)
+    layers = [m for m in model.modules() if isinstance(m, SoftmaxAttention)]
+    assert len(seen["keys"]) == len(seen["values"]) == len(layers) > 0
+    assert seen["keys"][0].shape == (40 * layers[0].num_kv_heads, layers[0].head_dim)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert len(seen["keys"]) == len(seen["values"]) == len(layers)  # nothing recorded after: hooks gone
+    x = seen["values"][0]
+    error = {name: relative_error(x, store(x)) for name, store in FORMATS.items()}
+    assert error["bf16"] < error["int8, a scale per token and head"] < error["float8, a scale per token and head"]
+
+
 def test_a_routing_flip_is_a_different_set_of_partitions_not_another_order():
     from benchmarks.rollout.bench_numerics import flips
 
