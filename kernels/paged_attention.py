@@ -117,6 +117,7 @@ def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.
     tl.store(o + row * D + d, out.to(o.dtype.element_ty))
 
 
+WARPS = 8  # a program's warps
 STAGES = 3  # Triton's num_stages: how deep the pipeliner stages the next key and value tiles in shared memory.
 # A float8 stage holds half a bf16 stage's bytes, and float8's widening takes registers (112 a thread against 80,
 # so an SM holds 2 programs, not 3): ``benchmarks.kernels.paged_ptx`` reads both from the compiled kernel,
@@ -167,7 +168,7 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         target.stride(0), target.stride(1), target.stride(2) if splits > 1 else 0,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
         BT=tokens_per_step, SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(),
-        HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, num_warps=8, num_stages=stages,
+        HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, num_warps=WARPS, num_stages=stages,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     if splits > 1:

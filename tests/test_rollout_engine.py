@@ -793,14 +793,13 @@ def test_bench_numerics_measures_a_float32_engine_at_the_float32_reference():
 def test_a_trained_model_reads_gsm8k_text_of_the_length_asked():
     """``bench_numerics --model``: a trained model's prompt is text (GSM8K test's problems and worked solutions end
     to end), cut at the position measured; another start for each position."""
-    import json
-    from pathlib import Path
-
     from benchmarks.rollout.bench_numerics import text_prompt
+    from common.files import read_records
+    from pipeline.data import PACKAGED
     from pipeline.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    first = json.loads((Path(__file__).parents[1] / "eval" / "data" / "gsm8k_test.jsonl").open().readline())
+    _, first = next(iter(read_records(PACKAGED["gsm8k_test"])))
     record = tokenizer(f"{first['problem']}\n{first['solution']}\n\n", add_special_tokens=False)["input_ids"]
     ids = text_prompt(tokenizer, len(record) + 50)
     assert len(ids) == len(record) + 50 and ids[:len(record)] == record

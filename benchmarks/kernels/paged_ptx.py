@@ -9,8 +9,7 @@ width, ``ldmatrix``, asynchronous copies and float8 conversions; and from its cu
 and its shared memory, hence how many programs an SM runs at once and how much of the cache they stage together.
 Static counts of the loop body as compiled, not timings: they say which way a tile travels and how much of the cache
 is on its way at once (``docs/benchmarks.md``); ``benchmarks.kernels.bench_paged --fp8`` times the same launches on
-a GPU. The Triton installed here compiles;
-another version may compile otherwise.
+a GPU. The Triton installed here compiles; another version may compile otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ import argparse
 import re
 from collections import Counter
 
-WARPS = 8  # as paged_decode_attention launches it
+from kernels.paged_attention import WARPS
+
 STRIDES = ("sq_b", "sq_h", "sk_blk", "sk_h", "sk_t", "st_b", "so_b", "so_h", "so_s")  # multiples of 16 at launch
 POINTERS = {"q": "*bf16", "tables": "*i64", "lengths": "*i64", "slots": "*i64", "o": "*fp32", "part_m": "*fp32",
             "part_l": "*fp32"}
@@ -47,10 +47,6 @@ def compiled(kv: str, tile: int, arch: int, stages: int = 3, max_registers: int 
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": WARPS, "num_stages": stages,
                                    **({} if max_registers is None else {"maxnreg": max_registers})})
-
-
-def ptx(kv: str, tile: int, arch: int, stages: int = 3) -> str:
-    return compiled(kv, tile, arch, stages).asm["ptx"]
 
 
 def registers(kernel) -> tuple[int | None, int | None]:

@@ -77,13 +77,12 @@ def flips(engine: torch.Tensor, trainer: torch.Tensor, writers: int, readers: in
 
 def text_prompt(tokenizer, length: int, skip: int = 0) -> list[int]:
     """``length`` tokens of GSM8K test's problems and worked solutions laid end to end, from record ``skip`` on."""
-    import json
-    from pathlib import Path
+    from common.files import read_records
+    from pipeline.data import PACKAGED
 
     ids: list[int] = []
-    lines = (Path(__file__).resolve().parents[2] / "eval" / "data" / "gsm8k_test.jsonl").read_text().splitlines()
-    for line in lines[skip:] + lines[:skip]:
-        record = json.loads(line)
+    records = [record for _, record in read_records(PACKAGED["gsm8k_test"])]
+    for record in records[skip:] + records[:skip]:
         ids += tokenizer(f"{record['problem']}\n{record['solution']}\n\n", add_special_tokens=False)["input_ids"]
         if len(ids) >= length:
             return ids[:length]

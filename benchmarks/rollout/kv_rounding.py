@@ -46,29 +46,19 @@ def captured(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     from sse_model.layers.attention import SoftmaxAttention
 
     seen: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}
-    undo = []
+    hooks = []
     for layer in (m for m in model.modules() if isinstance(m, SoftmaxAttention)):
-        rotary = layer.rotary.forward
-
-        def rotated(q, k, positions, _rotary=rotary):
-            q, k = _rotary(q, k, positions)
-            seen["keys"].append(k.detach().float().reshape(-1, k.shape[-1]))
-            return q, k
-
-        layer.rotary.forward = rotated
-        undo.append((layer.rotary, rotary))
-        head_dim = layer.head_dim
-        undo.append(layer.v_proj.register_forward_hook(
-            lambda module, args, out, d=head_dim: seen["values"].append(out.detach().float().reshape(-1, d))))
+        d = layer.head_dim
+        hooks.append(layer.rotary.register_forward_hook(  # (q, k) rotated
+            lambda module, args, out, d=d: seen["keys"].append(out[1].detach().float().reshape(-1, d))))
+        hooks.append(layer.v_proj.register_forward_hook(
+            lambda module, args, out, d=d: seen["values"].append(out.detach().float().reshape(-1, d))))
     try:
         with torch.no_grad():
             model(ids)
     finally:
-        for item in undo:
-            if isinstance(item, tuple):
-                item[0].forward = item[1]
-            else:
-                item.remove()
+        for hook in hooks:
+            hook.remove()
     return seen
 
 
