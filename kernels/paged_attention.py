@@ -118,10 +118,16 @@ def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.
 
 
 WARPS = 8  # a program's warps
-STAGES = 3  # Triton's num_stages: how deep the pipeliner stages the next key and value tiles in shared memory.
-# A float8 stage holds half a bf16 stage's bytes, and float8's widening takes registers (112 a thread against 80,
-# so an SM holds 2 programs, not 3): ``benchmarks.kernels.paged_ptx`` reads both from the compiled kernel,
-# ``bench_paged --fp8`` times deeper pipelines and a register cap (``max_registers``) against it
+# The engine's launch, (tokens a tile, pipeline stages), by the pools' dtype (``bench_paged --fp8`` times others).
+# Widening a float8 tile costs each step of the loop a fixed price, which tiles of 128 pay half as often: at 32k
+# tokens they read a float8 cache 1.27x faster than tiles of 64 in 3 stages (one H200, ``docs/benchmarks.md``).
+LAUNCHES = {torch.float8_e4m3fn: (128, 2)}
+DEFAULT_LAUNCH = (64, 3)
+
+
+def launch(dtype: torch.dtype) -> tuple[int, int]:
+    """``(tokens a tile, stages)`` of the engine's launch over pools of ``dtype``."""
+    return LAUNCHES.get(dtype, DEFAULT_LAUNCH)
 
 
 def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -132,19 +138,20 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
-                           tokens_per_step: int = 64, splits: int | None = None,
-                           slots: torch.Tensor | None = None, stages: int = STAGES,
-                           max_registers: int | None = None) -> torch.Tensor:
+                           tokens_per_step: int | None = None, splits: int | None = None,
+                           slots: torch.Tensor | None = None, stages: int | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` (>= 1) cached tokens (float8 pools widened to fp16 as they are read). ``H`` a multiple of the
     pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
-    step, whose token :func:`rotary_store_decode` stored. ``stages``: the pipeline's depth (``num_stages``);
-    ``max_registers``: a cap on a thread's registers (``maxnreg``; None: the compiler's choice), more programs to an
-    SM at the cost of spills."""
+    step, whose token :func:`rotary_store_decode` stored. ``tokens_per_step`` (a tile's tokens) and ``stages`` (the
+    pipeline's depth, ``num_stages``): by default the engine's launch for the pools' dtype (:func:`launch`)."""
     B, H, D = q.shape
+    default_tile, default_stages = launch(pool_k.dtype)
+    tokens_per_step = default_tile if tokens_per_step is None else tokens_per_step
+    stages = default_stages if stages is None else stages
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
         raise ValueError(f"paged_decode_attention: {H} query heads over {H_kv} KV heads of size {D}")
@@ -169,7 +176,6 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
         BT=tokens_per_step, SPLITS=splits, F32=pool_k.dtype == torch.float32 or interpreting(),
         HAS_SLOTS=slots is not None, FP8=pool_k.dtype == torch.float8_e4m3fn, num_warps=WARPS, num_stages=stages,
-        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     if splits > 1:
         _merge_splits_kernel[(B * H,)](part_m, part_l, target, o, D=D, SPLITS=splits,

@@ -12,9 +12,9 @@ tensor, then SDPA with the validity mask); the roofline reads every cached key a
 bandwidth.
 
 ``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``) at each launch
-setting of ``LAUNCHES`` (tokens a tile, pipeline stages, register cap; the first is the engine's), against each
-dtype's roofline: which setting lets an SM hold enough of a float8 cache in flight (``benchmarks.kernels.paged_ptx``
-gives each setting's registers and shared memory).
+setting of ``TIMED`` (tokens a tile, pipeline stages; the engine's launch for each dtype,
+``kernels.paged_attention.launch``, marked), against each dtype's roofline (``benchmarks.kernels.paged_ptx`` gives
+each setting's registers and shared memory).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels.bench_sse import bench, copy_bandwidth
-from kernels.paged_attention import STAGES, default_splits, paged_decode_attention
+from kernels.paged_attention import default_splits, launch, paged_decode_attention
 
-# (tokens a tile, stages, register cap): the engine's first; then deeper pipelines, a cap that fits a third program
-# on an SM, and bigger tiles
-LAUNCHES = ((64, STAGES, None), (64, 5, None), (64, 3, 80), (64, 5, 80), (128, 2, None), (128, 3, None))
+# (tokens a tile, stages): deeper pipelines and bigger tiles around the engine's launches
+TIMED = ((64, 3), (64, 5), (128, 2), (128, 3), (256, 1), (256, 2))
 
 
 def inputs(B: int, T: int, heads: int = 18, dim: int = 128, block_size: int = 256):
@@ -52,10 +51,10 @@ def gather_path(q, pool_k, pool_v, tables, lengths):
 
 
 def float8_ways(shapes: list[str], bandwidth: float) -> None:
-    """The kernel on bf16 and float8 pools at each of ``LAUNCHES``: ms and x each dtype's roofline."""
+    """The kernel on bf16 and float8 pools at each of ``TIMED``: ms and x each dtype's roofline."""
     from pipeline.rollout.cache import to_kv
 
-    print("| sequences x tokens | KV | tokens a tile | stages | register cap | kernel ms | roofline ms | x roofline | "
+    print("| sequences x tokens | KV | tokens a tile | stages | engine's | kernel ms | roofline ms | x roofline | "
           "max abs diff to bf16 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for shape in shapes:
@@ -65,12 +64,13 @@ def float8_ways(shapes: list[str], bandwidth: float) -> None:
         for name, (k, v) in (("bf16", (pool_k, pool_v)),
                              ("float8", (to_kv(pool_k, torch.float8_e4m3fn), to_kv(pool_v, torch.float8_e4m3fn)))):
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
-            for tile, stages, cap in LAUNCHES:
-                options = {"tokens_per_step": tile, "stages": stages, "max_registers": cap}
+            for tile, stages in TIMED:
+                options = {"tokens_per_step": tile, "stages": stages}
+                engine = "yes" if launch(k.dtype) == (tile, stages) else ""
                 out = paged_decode_attention(q, k, v, tables, lengths, **options)
                 ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
                 diff = (out.float() - reference).abs().max().item()
-                print(f"| {B} x {T} | {name} | {tile} | {stages} | {cap or ''} | {ms:.3f} | "
+                print(f"| {B} x {T} | {name} | {tile} | {stages} | {engine} | {ms:.3f} | "
                       f"{roofline:.3f} | {ms / roofline:.2f}x | {diff:.1e} |", flush=True)
 
 

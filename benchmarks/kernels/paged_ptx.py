@@ -1,6 +1,6 @@
 """What the compiler makes of the paged decode kernel, read without a GPU: its PTX for sm_90, per launch setting.
 
-    python -m benchmarks.kernels.paged_ptx [--arch 90]    # bf16 and float8 pools at bench_paged's LAUNCHES
+    python -m benchmarks.kernels.paged_ptx [--arch 90]    # bf16 and float8 pools at bench_paged's TIMED launches
 
 Compiles ``kernels/paged_attention.py``'s kernel as a launch at the engine's shape specializes it (one query head
 per KV head padded to 16 rows, head size 128, blocks of 256, 4 splits; pointers and strides divisible by 16) and
@@ -25,9 +25,8 @@ POINTERS = {"q": "*bf16", "tables": "*i64", "lengths": "*i64", "slots": "*i64", 
             "part_l": "*fp32"}
 
 
-def compiled(kv: str, tile: int, arch: int, stages: int = 3, max_registers: int | None = None):
-    """The kernel compiled for ``kv`` pools (``bf16`` or ``fp8``), ``tile`` tokens a tile, ``stages`` deep, its
-    registers capped at ``max_registers``."""
+def compiled(kv: str, tile: int, arch: int, stages: int = 3):
+    """The kernel compiled for ``kv`` pools (``bf16`` or ``fp8``), ``tile`` tokens a tile, ``stages`` deep."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,8 +44,7 @@ def compiled(kv: str, tile: int, arch: int, stages: int = 3, max_registers: int 
                        constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": WARPS, "num_stages": stages,
-                                   **({} if max_registers is None else {"maxnreg": max_registers})})
+                          options={"num_warps": WARPS, "num_stages": stages})
 
 
 def registers(kernel) -> tuple[int | None, int | None]:
@@ -89,28 +87,28 @@ def counts(code: str) -> Counter:
 
 
 def main() -> None:
-    from benchmarks.kernels.bench_paged import LAUNCHES
+    from benchmarks.kernels.bench_paged import TIMED
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability compiled for (90: Hopper)")
     args = parser.parse_args()
     rows = []
     for kv in ("bf16", "fp8"):
-        for tile, stages, cap in LAUNCHES:
-            kernel = compiled(kv, tile, args.arch, stages, cap)
+        for tile, stages in TIMED:
+            kernel = compiled(kv, tile, args.arch, stages)
             (regs, stack), shared = registers(kernel), kernel.metadata.shared
-            rows.append((kv, tile, stages, cap, counts(kernel.asm["ptx"]), regs, stack, shared,
+            rows.append((kv, tile, stages, counts(kernel.asm["ptx"]), regs, stack, shared,
                          programs_per_sm(regs, shared)))
     kinds = sorted({k for *_, c, _, _, _, _ in rows for k in c if c[k]})
     print(f"Tile-moving instructions in the paged kernel's PTX (sm_{args.arch}, static counts), a thread's registers "
           f"and spilled bytes, the shared memory that stages the tiles, and the programs of {WARPS} warps an SM holds "
           f"with their shared memory together:\n")
-    print("| KV | tokens a tile | stages | register cap | " + " | ".join(f"`{k}`" for k in kinds) +
+    print("| KV | tokens a tile | stages | " + " | ".join(f"`{k}`" for k in kinds) +
           " | registers | stack bytes | shared KiB | programs an SM | shared KiB an SM |")
-    print("|---|---:|---:|---:|" + "---:|" * (len(kinds) + 5))
-    for kv, tile, stages, cap, c, regs, stack, shared, programs in rows:
+    print("|---|---:|---:|" + "---:|" * (len(kinds) + 5))
+    for kv, tile, stages, c, regs, stack, shared, programs in rows:
         held = "" if programs is None else f"{programs * shared / 1024:.0f}"
-        print(f"| {kv} | {tile} | {stages} | {cap or ''} | " + " | ".join(str(c[k]) for k in kinds) +
+        print(f"| {kv} | {tile} | {stages} | " + " | ".join(str(c[k]) for k in kinds) +
               f" | {regs} | {stack} | {shared / 1024:.0f} | {programs} | {held} |")
 
 
