@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     loss.add_argument("--split", default="train", help="a part of the data, as recipes' data.split: train[-500:] "
                                                        "is GSM8K train's held-out part in the SmolLM2 recipes")
     loss.add_argument("--first", type=int, default=24, help="how many records, from the start")
+    loss.add_argument("--solution-field", default="solution", metavar="FIELD",
+                      help="the records' field scored as the solution (gsm8k_train's 'published': its solutions as "
+                           "GSM8K publishes them, a format no training row has)")
     loss.add_argument("--as-trained", action="store_true",
                       help="GSM8K solutions as distillation's rows have them (calculator annotations removed, the "
                            "closing '#### N' as 'The answer is \\boxed{N}.'): gsm8k_test in gsm8k_train's format")
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out, args.split,
-                            args.as_trained, args.scored))
+                            args.as_trained, args.scored, args.solution_field))
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -50,17 +50,19 @@ def vocabulary_digest(tokenizer) -> str:
     return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
 
 
-def load_scored(path: str, data: str, split: str, as_trained: bool, records: int) -> list[LossResult]:
+def load_scored(path: str, data: str, split: str, as_trained: bool, records: int,
+                solution_field: str = "solution") -> list[LossResult]:
     """The results an earlier ``--out`` wrote beside its table (``.json``), as draws to pool with models scored now:
     draws of one arm from other sessions or machines need no GPU again. Refused unless they scored the same
-    records (source, split, format, count)."""
+    records (source, split, field, format, count)."""
     try:
         saved = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--scored {path}: {err}") from None
-    expected = {"data": data, "split": split, "as_trained": as_trained, "records": records}
+    expected = {"data": data, "split": split, "solution_field": solution_field, "as_trained": as_trained,
+                "records": records}
     for key, value in expected.items():
-        if saved.get(key) != value:
+        if saved.get(key, "solution" if key == "solution_field" else None) != value:
             raise ValueError(f"--scored {path}: {key} is {saved.get(key)!r}, this table's is {value!r}; only scorings "
                              f"of the same records pool")
     fields = set(LossResult.__dataclass_fields__)
@@ -238,14 +240,16 @@ def parse_model(argument: str) -> tuple[str, str]:
 
 
 def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None,
-         split: str = "train", as_trained: bool = False, scored_files: list[str] = ()) -> str:
+         split: str = "train", as_trained: bool = False, scored_files: list[str] = (),
+         solution_field: str = "solution") -> str:
     from .data import gsm8k_as_trained, sft_dataset
     from .models import load_tokenizer, local_model, resolve_device
     from .recipe import DataSpec, Recipe, load_recipe
     from sse_model.checkpoint import load_pretrained
 
     recipe = load_recipe(recipe_name) if recipe_name else Recipe()
-    dataset = sft_dataset(DataSpec(source=data, split=split), recipe.prompt_instruction)
+    fields = {} if solution_field == "solution" else {"solution": solution_field}
+    dataset = sft_dataset(DataSpec(source=data, split=split, fields=fields), recipe.prompt_instruction)
     if first < 1:
         raise ValueError(f"--first {first}: score at least one record")
     dataset = dataset.select(range(min(first, len(dataset))))
@@ -259,7 +263,8 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
 
         dataset = dataset.map(rewritten, with_indices=True)
     # the earlier scorings first (in the order given), each checked before any model loads
-    results = [r for path in scored_files for r in load_scored(path, data, split, as_trained, len(dataset))]
+    results = [r for path in scored_files
+               for r in load_scored(path, data, split, as_trained, len(dataset), solution_field)]
     if not results and not models:
         raise ValueError("no model to score and no --scored results")
     where = resolve_device(device)
@@ -282,6 +287,7 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
                   and math.isfinite(arms[0].loss))
     part = ("" if split == "train" else f", split `{split}`") + (", solutions as distillation's rows have them"
                                                                  if as_trained else "")
+    part += "" if solution_field == "solution" else f", solutions from field `{solution_field}`"
     scored = f"{len(dataset)} records of `{data}`{part}"
     text = (f"Assistant-token loss on the first {scored} (device {where}):\n\n"
             f"{markdown(arms, comparable)}\n")
@@ -292,8 +298,9 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
 
         atomic_write(Path(out), text)
         # every record's loss beside the table: intervals over other groupings need no GPU again
-        atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split, "as_trained": as_trained,
-                                                                 "records": len(dataset),
+        atomic_write(Path(out).with_suffix(".json"), json.dumps({"data": data, "split": split,
+                                                                 "solution_field": solution_field,
+                                                                 "as_trained": as_trained, "records": len(dataset),
                                                                  "models": [asdict(r) for r in results]}))
         plot(arms, scored.replace("`", ""), Path(out).with_suffix(".png"))
     return text

@@ -135,6 +135,9 @@ def test_gsm8k_solutions_read_as_distillation_rows_have_them():
     assert all(gsm8k_as_trained(r["solution"]) == gsm8k_as_trained(r["solution"], r["answer"]) for r in test)
     train = [json.loads(line) for line in PACKAGED["gsm8k_train"].open()]
     assert all("<<" not in r["solution"] and r["solution"].endswith(f"\\boxed{{{r['answer']}}}.") for r in train)
+    # beside each, the solution as published, which conversion's validation scores (--solution-field published)
+    assert all(gsm8k_as_trained(r["published"], r["answer"]) == r["solution"] for r in train)
+    assert sum("<<" in r["published"] for r in train) > 0.9 * len(train)
 
 
 def test_earlier_scorings_pool_as_draws_and_other_records_are_refused(tmp_path):
@@ -146,13 +149,15 @@ def test_earlier_scorings_pool_as_draws_and_other_records_are_refused(tmp_path):
     from pipeline.lm_loss import main
 
     data = tmp_path / "solutions.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"{i}+1?", "solution": f"{i + 1}"}) + "\n" for i in range(6)))
+    data.write_text("".join(json.dumps({"problem": f"{i}+1?", "solution": f"{i + 1}", "published": f"#### {i + 1}"})
+                            + "\n" for i in range(6)))
     rng = random.Random(2)
     base = [rng.uniform(5, 15) for _ in range(6)]
 
-    def saved(name, results, records=6, as_trained=False):
+    def saved(name, results, records=6, as_trained=False, solution_field="solution"):
         path = tmp_path / name
-        path.write_text(json.dumps({"data": str(data), "split": "train", "as_trained": as_trained, "records": records,
+        path.write_text(json.dumps({"data": str(data), "split": "train", "solution_field": solution_field,
+                                    "as_trained": as_trained, "records": records,
                                     "models": [asdict(r) for r in results]}))
         return str(path)
 
@@ -164,8 +169,15 @@ def test_earlier_scorings_pool_as_draws_and_other_records_are_refused(tmp_path):
     assert rows[0].startswith("| T | 2 |") and rows[1].startswith("| S | 2 |"), text
     assert f"| {1.25 / 1.01:.3f} (" in rows[1], rows[1]
     assert json.loads(out.with_suffix(".json").read_text())["models"][3]["label"] == "S"
-    for name, kwargs, key in (("c.json", {"records": 5}, "records"), ("d.json", {"as_trained": True}, "as_trained")):
+    for name, kwargs, key in (("c.json", {"records": 5}, "records"), ("d.json", {"as_trained": True}, "as_trained"),
+                              ("e.json", {"solution_field": "published"}, "solution_field")):
         with pytest.raises(ValueError, match=rf"--scored .*{name}: {key} is"):
             main([], str(data), 6, None, "cpu", None, scored_files=[first, saved(name, [draw("T", base)], **kwargs)])
+    # another field's solutions: pooled only with scorings of that field, and the table says which
+    published = saved("f.json", [draw("T", base)], solution_field="published")
+    text = main([], str(data), 6, None, "cpu", None, scored_files=[published], solution_field="published")
+    assert "solutions from field `published`" in text
+    with pytest.raises(ValueError, match=r"--scored .*a.json: solution_field is 'solution'"):
+        main([], str(data), 6, None, "cpu", None, scored_files=[first], solution_field="published")
     with pytest.raises(ValueError, match="no model to score"):
         main([], str(data), 6, None, "cpu", None)
