@@ -231,12 +231,15 @@ def test_requests_queue_when_slots_are_full(model, tokenizer):
 
 def test_memory_planning(model, tokenizer):
     """KV is paid by need: a budget of ten worst-case sequences holds more slots than ten, and more sequences
-    of 24 tokens than of 96; a budget below one max_model_len sequence is refused."""
+    of 24 tokens than of 96; a budget below one max_model_len sequence is refused, and so are more slots than the
+    budget holds the states of, naming the slots (not the sequence, which alone would fit)."""
     per_slot = make_engine(model, tokenizer).per_slot_bytes
     engine = make_engine(model, tokenizer, max_slots=None, memory_budget=10 * per_slot)
     assert engine.max_slots > 10 and engine.capacity(24) > engine.capacity(96) >= 1
-    with pytest.raises(ValueError, match="memory_budget"):
+    with pytest.raises(ValueError, match="memory_budget .* is below one sequence"):
         make_engine(model, tokenizer, max_slots=None, memory_budget=per_slot // 2)
+    with pytest.raises(ValueError, match=r"max_slots=4096: the slots' states .* fewer slots \(engine.max_slots\)"):
+        make_engine(model, tokenizer, max_slots=4096, memory_budget=10 * per_slot)
 
 
 def test_a_sleeping_engine_plans_its_memory_again_from_what_is_free_when_it_wakes(model, tokenizer, monkeypatch):

@@ -376,6 +376,10 @@ def plan_slots(config, memory_budget: int, max_model_len: int, block_size: int, 
         num_blocks = min(num_blocks, max_slots * -(-max_model_len // block_size))  # more never fill
     num_blocks = num_blocks if per_block else 0
     if max_slots < 1 or num_blocks * per_block < one_sequence:
+        if max_slots > 1 and 2 * state + one_sequence <= memory_budget:  # one sequence fits, the slots asked for not
+            raise ValueError(f"max_slots={max_slots}: the slots' states ({max_slots} x {state} B) leave memory_budget "
+                             f"{memory_budget} B no room for one sequence of max_model_len={max_model_len} tokens "
+                             f"({one_sequence} B of KV): fewer slots (engine.max_slots) or a larger budget")
         raise ValueError(f"memory_budget {memory_budget} B is below one sequence of max_model_len={max_model_len} "
                          f"tokens ({state + one_sequence} B; max_slots={max_slots} slots of {state} B each)")
     return int(max_slots), int(num_blocks)
