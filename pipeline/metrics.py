@@ -132,6 +132,12 @@ def read_metrics(path: Path) -> list[dict]:
     return read_jsonl(path)
 
 
+def logged_values(records: list[dict], key: str) -> list[float]:
+    """The numbers logged under ``key``, in order: a step can log none (GRPO's reward is null where every
+    completion of the step went unscored), which a curve skips rather than reads as zero."""
+    return [r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+
+
 def first_last_means(values: list[float], k: int | None = None) -> tuple[float, float, int]:
     """Means of the first and of the last ``k`` values (default a fifth of them) and ``k``: where a noisy curve
     (GRPO's reward) started and ended."""

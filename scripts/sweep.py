@@ -43,7 +43,7 @@ from eval.report import accuracy_cell
 
 from common.files import atomic_write
 
-from pipeline.metrics import first_last_means, read_metrics
+from pipeline.metrics import first_last_means, logged_values, read_metrics
 from pipeline.recipe import load_recipe
 
 # the distillation's last logged values: its loss (CE, or the mix with the teacher's KL), and with a teacher both parts;
@@ -203,7 +203,7 @@ def collect(folder: Path) -> dict:
     if last:
         row["distill"] = last
     grpo = read_metrics(folder / "grpo" / "metrics.jsonl")
-    curves = {name: [r[key] for r in grpo if key in r] for name, key in GRPO_KEYS.items()}
+    curves = {name: logged_values(grpo, key) for name, key in GRPO_KEYS.items()}
     if any(curves.values()):
         row["grpo"] = {name: first_last_means(values, GRPO_LOGS)[:2] for name, values in curves.items() if values}
     evals = {}

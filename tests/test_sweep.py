@@ -153,6 +153,20 @@ def test_the_table_holds_the_held_out_loss_each_distillation_logged_last(tmp_pat
     assert dict(zip(header.split(" | "), line.split(" | ")))["held-out loss"] == "1.400"
 
 
+def test_a_grpo_step_that_logged_no_reward_is_skipped_by_the_table_and_the_report(tmp_path):
+    """A step whose every completion went unscored logs ``reward: null`` (seen with every completion cut at the
+    length limit); the sweep's table and the run's report read the curve without it instead of failing."""
+    from pipeline.stages.grpo import GRPOStage
+
+    (tmp_path / "a" / "grpo").mkdir(parents=True)
+    rows = [{"step": 1, "reward": None, "completions/mean_length": 16.0}, {"step": 2, "reward": 0.25},
+            {"step": 3, "reward": 0.75, "completions/mean_length": 20.0}]
+    (tmp_path / "a" / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = collect(tmp_path / "a")
+    assert row["grpo"]["reward"] == (0.5, 0.5)  # the first and last 8 logged: both rewards
+    assert "0.250 -> 0.750" in GRPOStage().highlight(None, tmp_path / "a" / "grpo")
+
+
 def test_a_run_out_of_gpu_memory_beside_others_runs_again_next_and_fewer_run_at_once(tmp_path):
     """Six SmolLM2 runs three at a time on one H200: three ran out of memory at their start and waited to run alone
     after the rest, one after another. Now the run goes again next and the sweep runs as many at a time as fitted

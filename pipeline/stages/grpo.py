@@ -39,7 +39,7 @@ from rewards import AccuracyReward, FormatReward, MathVerifier, OverlongPenalty,
 from ..balance import BalanceLossMixin
 from ..data import prompt_dataset
 from ..distributed import world
-from ..metrics import Timer, first_last_means, read_metrics
+from ..metrics import Timer, first_last_means, logged_values, read_metrics
 from ..models import (TRAINING_DTYPE, fsdp_precision, load_model, trainer_options, training_device,
                       training_state_bytes, uses_fsdp)
 from ..batching import grpo_batching
@@ -621,7 +621,7 @@ class GRPOStage(Stage):
                 ray.util.remove_placement_group(group)
 
     def highlight(self, recipe: Recipe, stage_dir: Path) -> str:
-        rewards = [r["reward"] for r in read_metrics(stage_dir / "metrics.jsonl") if "reward" in r]
+        rewards = logged_values(read_metrics(stage_dir / "metrics.jsonl"), "reward")
         if not rewards:
             return ""
         first, last, k = first_last_means(rewards)
