@@ -118,16 +118,12 @@ def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.
 
 
 WARPS = 8  # a program's warps
-# The engine's launch, (tokens a tile, pipeline stages), by the pools' dtype (``bench_paged --fp8`` times others).
-# Widening a float8 tile costs each step of the loop a fixed price, which tiles of 128 pay half as often: at 32k
-# tokens they read a float8 cache 1.27x faster than tiles of 64 in 3 stages (one H200, ``docs/benchmarks.md``).
-LAUNCHES = {torch.float8_e4m3fn: (128, 2)}
-DEFAULT_LAUNCH = (64, 3)
-
-
-def launch(dtype: torch.dtype) -> tuple[int, int]:
-    """``(tokens a tile, stages)`` of the engine's launch over pools of ``dtype``."""
-    return LAUNCHES.get(dtype, DEFAULT_LAUNCH)
+# The engine's launch: tiles of 128 tokens, two of them in flight (Triton's num_stages). Widening a float8 tile costs
+# each step of the loop a fixed price, which tiles of 128 pay half as often: 1.25-1.27x faster than tiles of 64 in
+# three stages on float8 caches, 5-7% on bf16, from 256 x 1.5k to 64 x 32k tokens (one H200, ``python -m
+# benchmarks.kernels.bench_paged --fp8``, ``docs/benchmarks.md``)
+TOKENS_PER_STEP = 128
+STAGES = 2
 
 
 def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -138,20 +134,17 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None,
-                           tokens_per_step: int | None = None, splits: int | None = None,
-                           slots: torch.Tensor | None = None, stages: int | None = None) -> torch.Tensor:
+                           tokens_per_step: int = TOKENS_PER_STEP, splits: int | None = None,
+                           slots: torch.Tensor | None = None, stages: int = STAGES) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per sequence) -> ``[B, H, D]``: softmax attention over each sequence's first
     ``lengths[b]`` (>= 1) cached tokens (float8 pools widened to fp16 as they are read). ``H`` a multiple of the
     pools' ``H_kv``; ``D`` a power of two from 16.
     ``splits``: ranges per sequence read by separate programs (default :func:`default_splits`, fixed by the
     shapes, so a CUDA graph can capture it). With ``slots`` (the engine's rows), sequence ``b`` is row ``slots[b]``
     of ``tables`` and ``lengths``, and reads ``lengths[slots[b]] + 1`` tokens: the cache's lengths before this
-    step, whose token :func:`rotary_store_decode` stored. ``tokens_per_step`` (a tile's tokens) and ``stages`` (the
-    pipeline's depth, ``num_stages``): by default the engine's launch for the pools' dtype (:func:`launch`)."""
+    step, whose token :func:`rotary_store_decode` stored. ``tokens_per_step``: a tile's tokens; ``stages``: the
+    pipeline's depth (``num_stages``)."""
     B, H, D = q.shape
-    default_tile, default_stages = launch(pool_k.dtype)
-    tokens_per_step = default_tile if tokens_per_step is None else tokens_per_step
-    stages = default_stages if stages is None else stages
     H_kv, block_size = pool_k.shape[1], pool_k.shape[2]
     if H % H_kv or D < 16 or D & (D - 1):
         raise ValueError(f"paged_decode_attention: {H} query heads over {H_kv} KV heads of size {D}")

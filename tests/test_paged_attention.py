@@ -22,7 +22,7 @@ def gathered(q, pool_k, pool_v, tables, lengths, scale):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim, launch", [
     (2, 2, 16, {"tokens_per_step": 16}), (2, 2, 16, {}),  # a tile of a block; the engine's: tiles of several blocks
-    (6, 2, 32, {"tokens_per_step": 16}), (6, 2, 32, {"tokens_per_step": 128, "stages": 2}),  # GQA; float8's launch
+    (6, 2, 32, {"tokens_per_step": 16}), (6, 2, 32, {"tokens_per_step": 64, "stages": 3}),  # GQA
     (3, 3, 64, {"tokens_per_step": 16, "stages": 5}), (5, 5, 256, {"tokens_per_step": 32})])  # real head sizes, odd counts
 def test_paged_decode_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, dim, launch):
     torch.manual_seed(0)
@@ -116,20 +116,19 @@ def test_cache_declines_head_sizes_the_kernel_cannot_take_and_says_so_once(caplo
 
 
 def test_the_engines_launches_fit_two_programs_an_sm_and_spill_nothing():
-    """Read from the kernel compiled for sm_90 on the CPU at the engine's launch for each pool dtype
-    (:func:`kernels.paged_attention.launch`): a decode step reads the cache at full speed only with several programs
-    an SM staging tiles, and a launch that spills registers or holds one program an SM (float8 tiles of 128 in three
-    stages: 218 registers) ran slower (``docs/benchmarks.md``)."""
+    """Read from the kernel compiled for sm_90 on the CPU at the engine's launch (``TOKENS_PER_STEP``, ``STAGES``)
+    over bf16 and float8 pools: a decode step reads the cache at full speed only with several programs an SM staging
+    tiles, and a launch that spills registers or holds one program an SM (float8 tiles of 128 in three stages: 218
+    registers) ran slower (``docs/benchmarks.md``)."""
     import json
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    script = ("import json, torch; from benchmarks.kernels.paged_ptx import compiled, registers; "
-              "from kernels.paged_attention import launch; "
-              "ks = {kv: compiled(kv, launch(dtype)[0], 90, launch(dtype)[1]) for kv, dtype in "
-              "(('bf16', torch.bfloat16), ('fp8', torch.float8_e4m3fn))}; "
+    script = ("import json; from benchmarks.kernels.paged_ptx import compiled, registers; "
+              "from kernels.paged_attention import STAGES, TOKENS_PER_STEP; "
+              "ks = {kv: compiled(kv, TOKENS_PER_STEP, 90, STAGES) for kv in ('bf16', 'fp8')}; "
               "print(json.dumps({kv: [*registers(k), k.metadata.shared] for kv, k in ks.items()}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     found = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,

@@ -12,8 +12,8 @@ tensor, then SDPA with the validity mask); the roofline reads every cached key a
 bandwidth.
 
 ``--fp8``: per shape, the kernel on bf16 and on float8 e4m3 pools (``engine.kv_cache_dtype: fp8``) at each launch
-setting of ``TIMED`` (tokens a tile, pipeline stages; the engine's launch for each dtype,
-``kernels.paged_attention.launch``, marked), against each dtype's roofline (``benchmarks.kernels.paged_ptx`` gives
+setting of ``TIMED`` (tokens a tile, pipeline stages; the engine's launch, ``kernels.paged_attention``'s
+``TOKENS_PER_STEP`` and ``STAGES``, marked), against each dtype's roofline (``benchmarks.kernels.paged_ptx`` gives
 each setting's registers and shared memory).
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels.bench_sse import bench, copy_bandwidth
-from kernels.paged_attention import default_splits, launch, paged_decode_attention
+from kernels.paged_attention import STAGES, TOKENS_PER_STEP, default_splits, paged_decode_attention
 
 # (tokens a tile, stages): deeper pipelines and bigger tiles around the engine's launches
 TIMED = ((64, 3), (64, 5), (128, 2), (128, 3), (256, 1), (256, 2))
@@ -66,7 +66,7 @@ def float8_ways(shapes: list[str], bandwidth: float) -> None:
             roofline = 2 * B * T * k.shape[1] * k.shape[3] * k.element_size() / bandwidth * 1e3
             for tile, stages in TIMED:
                 options = {"tokens_per_step": tile, "stages": stages}
-                engine = "yes" if launch(k.dtype) == (tile, stages) else ""
+                engine = "yes" if (tile, stages) == (TOKENS_PER_STEP, STAGES) else ""
                 out = paged_decode_attention(q, k, v, tables, lengths, **options)
                 ms = bench(lambda: paged_decode_attention(q, k, v, tables, lengths, **options))
                 diff = (out.float() - reference).abs().max().item()

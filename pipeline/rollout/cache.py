@@ -371,12 +371,13 @@ def plan_slots(config, memory_budget: int, max_model_len: int, block_size: int, 
     if max_slots is None:
         planned = state + per_block * -(-max(block_size, max_model_len // 4) // block_size)
         max_slots = min(DEFAULT_MAX_SLOTS, (memory_budget - one_sequence) // planned)
+    blocks_given = num_blocks is not None
     if num_blocks is None:
         num_blocks = (memory_budget - (max_slots + 1) * state) // per_block if per_block else 0
         num_blocks = min(num_blocks, max_slots * -(-max_model_len // block_size))  # more never fill
     num_blocks = num_blocks if per_block else 0
     if max_slots < 1 or num_blocks * per_block < one_sequence:
-        if max_slots > 1 and 2 * state + one_sequence <= memory_budget:  # one sequence fits, the slots asked for not
+        if not blocks_given and max_slots > 1 and 2 * state + one_sequence <= memory_budget:  # one would fit
             raise ValueError(f"max_slots={max_slots}: the slots' states ({max_slots} x {state} B) leave memory_budget "
                              f"{memory_budget} B no room for one sequence of max_model_len={max_model_len} tokens "
                              f"({one_sequence} B of KV): fewer slots (engine.max_slots) or a larger budget")
