@@ -118,10 +118,9 @@ def _merge_splits_kernel(part_m, part_l, part_o, o, D: tl.constexpr, SPLITS: tl.
 
 
 WARPS = 8  # a program's warps
-# The engine's launch: tiles of 128 tokens, two of them in flight (Triton's num_stages). Widening a float8 tile costs
-# each step of the loop a fixed price, which tiles of 128 pay half as often: 1.25-1.27x faster than tiles of 64 in
-# three stages on float8 caches, 5-7% on bf16, from 256 x 1.5k to 64 x 32k tokens (one H200, ``python -m
-# benchmarks.kernels.bench_paged --fp8``, ``docs/benchmarks.md``)
+# The engine's launch: tiles of 128 tokens, two of them in flight (Triton's num_stages), the fastest of the launches
+# ``python -m benchmarks.kernels.bench_paged --fp8`` times on bf16 and float8 caches (``docs/benchmarks.md``): a float8
+# tile pays a fixed price a step of the loop to widen, which bigger tiles pay less often
 TOKENS_PER_STEP = 128
 STAGES = 2
 
