@@ -62,9 +62,10 @@ def load_scored(path: str, data: str, split: str, as_trained: bool, records: int
     expected = {"data": data, "split": split, "solution_field": solution_field, "as_trained": as_trained,
                 "records": records}
     for key, value in expected.items():
-        if saved.get(key, "solution" if key == "solution_field" else None) != value:
-            raise ValueError(f"--scored {path}: {key} is {saved.get(key)!r}, this table's is {value!r}; only scorings "
-                             f"of the same records pool")
+        found = saved.get(key, "solution" if key == "solution_field" else None)  # files before the field: solution
+        if found != value:
+            raise ValueError(f"--scored {path}: {key} is {found!r}, this table's is {value!r}; only scorings of the "
+                             f"same records pool")
     fields = set(LossResult.__dataclass_fields__)
     return [LossResult(**{k: v for k, v in m.items() if k in fields}) for m in saved.get("models", [])]
 
