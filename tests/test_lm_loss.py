@@ -204,3 +204,21 @@ def test_the_kept_conversion_test_reads_as_a_cost_per_calculator_annotation(caps
         monkeypatch.setattr(sys, "argv", ["loss_by_markup", str(kept / "loss_gsm8k.json.gz"),
                                           str(kept / "loss_aime.json.gz")])
         main()
+
+
+def test_the_kept_aime_scoring_reads_by_how_much_each_solution_repeats():
+    """``benchmarks.pipeline.loss_by_copying`` on the kept AIME scoring: the distilled SSE-H's ratio to the
+    distilled Transformer rises with the share of a solution repeating earlier text (the table docs/real_model.md
+    quotes); a run of text repeated counts only from the given length."""
+    from pathlib import Path
+
+    from benchmarks.pipeline.loss_by_copying import copied_share, main
+
+    assert copied_share("x = 12345678", "so x = 12345678 and y", 8) == len("x = 12345678") / len("so x = 12345678 and y")
+    assert copied_share("abc", "abcabc", 4) == 0.0 and copied_share("", "abcdabcd", 4) == 0.5
+    kept = Path(__file__).resolve().parents[1] / "docs" / "runs" / "2026-11-29b-conversion-test"
+    lines = [line.strip("| ").split(" | ") for line in main([str(kept / "loss_aime.json.gz")]).splitlines()
+             if line.startswith("| ") and "---" not in line]
+    column = lines[0].index("SSE-H-distilled x")  # x the distilled Transformer
+    ratios = [float(r[column]) for r in lines[1:]]  # by copied share, least first
+    assert ratios == sorted(ratios) and (ratios[0], ratios[-1]) == (1.39, 1.73)
