@@ -183,27 +183,22 @@ def test_earlier_scorings_pool_as_draws_and_other_records_are_refused(tmp_path):
         main([], str(data), 6, None, "cpu", None)
 
 
-def test_the_kept_conversion_test_reads_as_a_cost_per_calculator_annotation(capsys, monkeypatch):
+def test_the_kept_conversion_test_reads_as_a_cost_per_calculator_annotation(capsys):
     """``benchmarks.pipeline.loss_by_markup`` on the kept scorings of GSM8K test (docs/runs/2026-11-29b-conversion-test):
     the table docs/real_model.md quotes, where the distilled SSE-H pays three times the Transformer's loss for each
     calculator annotation and the same for the closing line."""
-    import sys
     from pathlib import Path
 
     from benchmarks.pipeline.loss_by_markup import main
 
     kept = Path(__file__).resolve().parents[1] / "docs" / "runs" / "2026-11-29b-conversion-test"
-    monkeypatch.setattr(sys, "argv", ["loss_by_markup", str(kept / "loss_gsm8k.json.gz"),
-                                      str(kept / "loss_gsm8k_trained.json.gz")])
-    main()
+    main([str(kept / "loss_gsm8k.json.gz"), str(kept / "loss_gsm8k_trained.json.gz")])
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and "---" not in line}
     assert rows["SSE-H-distilled"][2:5] == ["33.9", "17.5", "3.05"]
     assert rows["Transformer-distilled"][2:5] == ["11.1", "18.5", "1.00"]
     with pytest.raises(ValueError, match="not one set's records as published and as trained"):
-        monkeypatch.setattr(sys, "argv", ["loss_by_markup", str(kept / "loss_gsm8k.json.gz"),
-                                          str(kept / "loss_aime.json.gz")])
-        main()
+        main([str(kept / "loss_gsm8k.json.gz"), str(kept / "loss_aime.json.gz")])
 
 
 def test_the_kept_aime_scoring_reads_by_how_much_each_solution_repeats():

@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from pipeline.data import GSM8K_ANNOTATION
+from pipeline.data import GSM8K_ANNOTATION, PACKAGED
 
 
 def per_record(path: str) -> tuple[dict, dict]:
@@ -32,17 +32,15 @@ def per_record(path: str) -> tuple[dict, dict]:
     return {arm: np.mean(losses, axis=0) for arm, losses in draws.items()}, saved
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("published", help="the loss command's .json(.gz) of the solutions as published")
     parser.add_argument("trained", help="the same records scored --as-trained")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     (published, a), (trained, b) = per_record(args.published), per_record(args.trained)
     if (a["data"], a["records"], a.get("as_trained"), b.get("as_trained")) != (b["data"], b["records"], False, True):
         raise ValueError(f"{args.published}, {args.trained}: not one set's records as published and as trained")
-    from eval.benchmarks import DATA_DIR
-
-    records = [json.loads(line) for line in (DATA_DIR / f"{a['data']}.jsonl").open()][:a["records"]]
+    records = [json.loads(line) for line in PACKAGED[a["data"]].open()][:a["records"]]
     counts = np.array([len(GSM8K_ANNOTATION.findall(r["solution"])) for r in records])
     arms = [arm for arm in published if arm in trained]
     reference = arms[0]
