@@ -17,7 +17,7 @@ import shutil
 from fnmatch import fnmatch
 from pathlib import Path
 
-from common.files import read_text, write_compressed
+from common.files import compressed, read_text, write_compressed
 from eval.report import summary_json
 
 KEPT = ("recipe.yaml", "report.md", "metrics.jsonl", "metrics.jsonl.gz", "started_from.json", "engines*.json",
@@ -45,7 +45,8 @@ def without_answers(summary: dict) -> dict:
 
 
 def keep(run: str | Path, dest: str | Path) -> list[Path]:
-    """Copies ``run``'s kept files into the new folder ``dest``; returns them, relative to ``dest``."""
+    """Copies ``run``'s kept files into the new folder ``dest``; returns them as written (a gzip where kept as
+    one), relative to ``dest``."""
     run, dest = Path(run), Path(dest)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run folder")
@@ -60,6 +61,7 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
                          "folder?")
     tmp = dest.with_name(f".{dest.name}.keep-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    written = []
     try:
         for rel in files:
             target = tmp / rel
@@ -71,10 +73,13 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{run / rel}: not JSON ({err})") from err
                 write_compressed(tmp / plain, summary_json(without_answers(summary)))
+                written.append(compressed(plain))
             elif rel.name == "metrics.jsonl":
                 write_compressed(target, (run / rel).read_text())
+                written.append(compressed(rel))
             else:
                 shutil.copy2(run / rel, target)
+                written.append(rel)
     except BaseException:  # nothing half-written is left beside dest
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -82,4 +87,4 @@ def keep(run: str | Path, dest: str | Path) -> list[Path]:
         dest.rmdir()
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, dest)
-    return files
+    return written
