@@ -12,7 +12,7 @@ runs the rest of the recipe from that model (``--checkpoint``, its align stage o
 after the common ``--set`` ones, scoring its last model (``eval.models=[last]``, or the models ``--set`` names).
 ``--shared distill`` shares align and distillation (variants of GRPO), ``--shared grpo`` every training stage
 (variants of the evaluation). Without ``--shared`` each variant runs the whole recipe, or another recipe named after
-its name (the second example: both arms, two seeds each, a GPU each). The variants run side by side
+its name (the second example: both arms, two seeds each, a GPU each), and scores the models the recipe names. The variants run side by side
 (``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the
 sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer than one
 (``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
@@ -97,9 +97,13 @@ def shared_overrides(shared: str) -> tuple[list[str], list[str]]:
 
 
 def variant_overrides(common: list[str], variant: Variant, shared: str | None) -> list[str]:
-    """A variant's overrides: its last model scored (unless the common ones or its own name more), the common ones,
-    its own, the shared stages off."""
-    return ["eval.models=[last]", *common, *variant.overrides, *(shared_overrides(shared)[1] if shared else [])]
+    """A variant's overrides: the common ones, its own, the shared stages off. From a shared start only its last
+    model is scored (unless the common ones or its own name more): the models before are the shared run's, alike
+    in every variant; a whole run scores the models its recipe names (GRPO's gain needs the model it started
+    from)."""
+    if not shared:
+        return [*common, *variant.overrides]
+    return ["eval.models=[last]", *common, *variant.overrides, *shared_overrides(shared)[1]]
 
 
 def commands(recipe: str, out: Path, common: list[str], variants: list[Variant], shared: str | None

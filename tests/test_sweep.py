@@ -26,7 +26,10 @@ def test_variants_start_from_the_shared_align_stage(tmp_path):
     assert first[5:] == [f"output_dir={tmp_path / 'shared'}", "grpo.enabled=false", "eval.enabled=false"]
     assert runs["a"][-4:] == ["align.enabled=false", "distill.enabled=false", "--checkpoint",
                               str(tmp_path / "shared" / "distill" / "final")]
-    assert commands("demo", tmp_path, [], [Variant("a")], None)[0] is None
+    # a whole run scores the models its recipe names: GRPO's change needs the distilled model scored beside it (a
+    # sweep of both arms once scored only the GRPO models, and the runs' gains could not be read)
+    first, runs = commands("demo", tmp_path, ["seed=1"], [Variant("a", ["grpo.steps=2"])], None)
+    assert first is None and runs["a"][4:] == ["demo", f"output_dir={tmp_path / 'a'}", "seed=1", "grpo.steps=2"]
 
 
 def test_a_variant_of_another_recipe_runs_that_recipe(tmp_path):
