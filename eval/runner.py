@@ -234,7 +234,11 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
         raise RuntimeError(f"{len(missing)} generations missing, e.g. {missing[:3]}")
     ordered = [by_key[(p.id, s)] for p in problems for s in range(repeats)]
     golds = [p.answer for p in problems for _ in range(repeats)]
-    scores, stats, answers = verifier.score([r["text"] for r in ordered], golds)
+    texts = [r["text"] for r in ordered]
+    scores, stats, answers = verifier.score(texts, golds)
+    # the boxed reading: the last box's answer (as the strict reward reads it), whatever is stated after it
+    boxed_scores, _, _ = MathVerifier(pool=verifier.pool, strict=True,
+                                      max_answer_chars=verifier.max_answer_chars).score(texts, golds)
 
     # maj@k clusters: distinct answers of one problem merged when math-verify calls them equal
     pairs, per_problem = [], []
@@ -257,6 +261,7 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
             "lengths": [r["num_tokens"] for r in ordered[sl]],
             "truncated": [r["finish_reason"] == "length" for r in ordered[sl]],
             "boxed": [last_boxed(r["text"]) is not None for r in ordered[sl]],
+            "boxed_correct": [bool(s) for s in boxed_scores[sl]],
         })
     summary = summarize(rows, seed=seed)
     summary["reward_stats"] = stats.as_dict()

@@ -72,6 +72,28 @@ def test_the_summary_counts_answers_given_in_a_box():
     assert f"| 25.0 ({100 * lo:.1f}-{100 * hi:.1f}) boxed only | 75.0 (" in markdown_table({"benchmarks": {"toy": summary}})
 
 
+def test_the_boxed_reading_is_the_last_box_whatever_is_stated_after_it():
+    """The headline reads the last box, as the strict reward does: "\\boxed{5}. The answer is 6." is right in the
+    lenient reading only (the boxed reading once counted it: the completion had a box and its last stated answer was
+    right), and a completion cut inside a sentence after a right box ("The answer is \\") is right in the boxed
+    reading only (the lenient one reads the cut sentence)."""
+    from eval.benchmarks import Problem
+    from eval.runner import score_benchmark
+
+    problems = [Problem("1", "What is 3+3?", "6"), Problem("2", "What is 2+2?", "4")]
+    texts = ["\\boxed{5}. The answer is 6.", "\\boxed{5}. The answer is 6.", "\\boxed{4}.\n\nThe answer is \\",
+             "So \\boxed{4}."]
+    records = [{"problem_id": p.id, "sample": i, "text": texts[2 * j + i], "num_tokens": 3, "finish_reason": "stop"}
+               for j, p in enumerate(problems) for i in range(2)]
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    try:
+        summary = score_benchmark(problems, records, repeats=2, verifier=verifier)
+    finally:
+        verifier.close()
+    assert [(q["accuracy"], q["boxed_accuracy"]) for q in summary["per_problem"]] == [(1.0, 0.0), (0.5, 1.0)]
+    assert summary["boxed_avg@2"] == pytest.approx(0.5) and summary["boxed_rate"] == 1.0
+
+
 def test_every_score_stands_beside_the_trivial_baselines_and_by_answer_size():
     """A set whose commonest answer is 1: answering "1" to everything scores its share, and a model doing just that
     is marked as not beating the best baseline; the question's last number is a baseline too; accuracy is split by
