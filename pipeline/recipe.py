@@ -591,6 +591,10 @@ REMOVED = {"max_steps": "the GRPO section counts optimizer steps in `steps` (TRL
 
 def build(cls, data: dict, where: str, prefix: str = ""):
     """``cls(**data)`` with every key and type checked."""
+    if cls is DataSpec and "source" not in data:  # e.g. align.data.mix=[...] where align.data is unset
+        raise RecipeError(f"{where}: {prefix}: a dataset without its source (keys given: {', '.join(map(str, data))}); "
+                          f"an override of one of its keys where the recipe sets none makes a new one: give it whole, "
+                          f"{prefix}={{source: ..., mix: [...]}}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}

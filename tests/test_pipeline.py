@@ -264,6 +264,12 @@ def test_a_data_mix_adds_each_sources_rows_with_its_own_fields(tmp_path):
     assert prompts[5]["prompt"][0]["content"].endswith("now?\nGo.")
     with pytest.raises(RecipeError, match=r"distill\.data\.mix\[1\]\.max_sample: unknown key"):
         load_recipe("demo", ["distill.data.mix=[{source: a}, {source: b, max_sample: 2}]"])
+    # align.data is unset (it reads distill.data): a key of it alone once made a new dataset of the default source,
+    # synthetic sums, without a word
+    with pytest.raises(RecipeError, match=r"align\.data: a dataset without its source \(keys given: mix\)"):
+        load_recipe("smollm2-135m", [f"align.data.mix=[{{source: {data}}}]"])
+    with pytest.raises(RecipeError, match=r"distill\.data\.mix\[0\]: a dataset without its source"):
+        load_recipe("demo", ["distill.data.mix=[{max_samples: 2}]"])
 
 
 @pytest.mark.parametrize("override, key", [
