@@ -47,22 +47,28 @@ def test_hand_computed_metrics():
     assert boxed["boxed_avg@1"] == pytest.approx(0.5)  # the right answer was boxed
 
 
+def scored(problems, texts, repeats=2):
+    """``score_benchmark`` of ``texts``, ``repeats`` a problem in the problems' order, with a verifier of its own."""
+    from eval.runner import score_benchmark
+
+    records = [{"problem_id": p.id, "sample": i, "text": texts[repeats * j + i], "num_tokens": 3,
+                "finish_reason": "stop"} for j, p in enumerate(problems) for i in range(repeats)]
+    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
+    try:
+        return score_benchmark(problems, records, repeats=repeats, verifier=verifier)
+    finally:
+        verifier.close()
+
+
 def test_the_summary_counts_answers_given_in_a_box():
     """A model whose text has no box is scored by the last stated answer; ``boxed_rate`` says how many answers came
     in the asked format and ``boxed_avg@n`` how many were right and boxed, and the report shows both."""
     from eval.benchmarks import Problem
     from eval.report import markdown_table
-    from eval.runner import score_benchmark
 
     problems = [Problem("1", "What is 2+2?", "4"), Problem("2", "What is 3+3?", "6")]
     texts = ["So \\boxed{4}.", "2+2 is 4", "The answer is 6.", "\\boxed{5}"]
-    records = [{"problem_id": p.id, "sample": i, "text": texts[2 * j + i], "num_tokens": 3, "finish_reason": "stop"}
-               for j, p in enumerate(problems) for i in range(2)]
-    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
-    try:
-        summary = score_benchmark(problems, records, repeats=2, verifier=verifier)
-    finally:
-        verifier.close()
+    summary = scored(problems, texts)
     assert summary["avg@2"] == pytest.approx(0.75)  # three right: two of them read without a box
     assert summary["boxed_rate"] == pytest.approx(0.5)
     assert summary["boxed_avg@2"] == pytest.approx(0.25)  # one right answer of four was boxed
@@ -78,18 +84,11 @@ def test_the_boxed_reading_is_the_last_box_whatever_is_stated_after_it():
     right), and a completion cut inside a sentence after a right box ("The answer is \\") is right in the boxed
     reading only (the lenient one reads the cut sentence)."""
     from eval.benchmarks import Problem
-    from eval.runner import score_benchmark
 
     problems = [Problem("1", "What is 3+3?", "6"), Problem("2", "What is 2+2?", "4")]
     texts = ["\\boxed{5}. The answer is 6.", "\\boxed{5}. The answer is 6.", "\\boxed{4}.\n\nThe answer is \\",
              "So \\boxed{4}."]
-    records = [{"problem_id": p.id, "sample": i, "text": texts[2 * j + i], "num_tokens": 3, "finish_reason": "stop"}
-               for j, p in enumerate(problems) for i in range(2)]
-    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
-    try:
-        summary = score_benchmark(problems, records, repeats=2, verifier=verifier)
-    finally:
-        verifier.close()
+    summary = scored(problems, texts)
     assert [(q["accuracy"], q["boxed_accuracy"]) for q in summary["per_problem"]] == [(1.0, 0.0), (0.5, 1.0)]
     assert summary["boxed_avg@2"] == pytest.approx(0.5) and summary["boxed_rate"] == 1.0
 
@@ -101,7 +100,6 @@ def test_every_score_stands_beside_the_trivial_baselines_and_by_answer_size():
     from eval.baselines import answer_size, guesses
     from eval.benchmarks import Problem
     from eval.report import markdown_table
-    from eval.runner import score_benchmark
 
     problems = [Problem(str(i), f"Ann has {i + 3} pens and loses {i + 2}. How many are left?", "1") for i in range(6)]
     problems += [Problem("6", "Bo has 20 cards and buys 30. How many?", "50"),
@@ -109,13 +107,7 @@ def test_every_score_stands_beside_the_trivial_baselines_and_by_answer_size():
     assert guesses(problems)["commonest answer"] == ["1"] * 8 and guesses(problems)["last number"][6] == "30"
     assert [answer_size(a) for a in ("1", "-3", "12", "1,024", "\\frac{1}{2}")] == \
         ["<= 10", "<= 10", "> 10", "> 10", "other"]
-    records = [{"problem_id": p.id, "sample": k, "text": "so \\boxed{1}", "num_tokens": 3, "finish_reason": "stop"}
-               for p in problems for k in range(2)]
-    verifier = MathVerifier(pool=VerifierPool(num_workers=1, timeout=5))
-    try:
-        summary = score_benchmark(problems, records, repeats=2, verifier=verifier)
-    finally:
-        verifier.close()
+    summary = scored(problems, ["so \\boxed{1}"] * 2 * len(problems))
     base = summary["baselines"]
     assert base["best"] == "commonest answer" and base["commonest answer"]["accuracy"] == pytest.approx(0.75)
     assert base["last number"]["accuracy"] == 0.0 and base["commonest answer"]["answer"] == "1"
