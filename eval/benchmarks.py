@@ -55,6 +55,7 @@ class Problem:
     id: str
     problem: str
     answer: str
+    solution: str | None = None  # a worked solution where the set has one (eval.worked_steps reads its steps)
 
 
 def _to_problems(records, problem_field: str, answer_field: str, id_field: str | None) -> list[Problem]:
@@ -68,7 +69,9 @@ def _to_problems(records, problem_field: str, answer_field: str, id_field: str |
             if not str(record[field]).strip():
                 raise ValueError(f"{place}: field {field!r} is empty")
         pid = str(record.get(id_field, i)) if id_field else str(i)
-        problems.append(Problem(pid, str(record[problem_field]), str(record[answer_field])))
+        solution = record.get("solution")
+        problems.append(Problem(pid, str(record[problem_field]), str(record[answer_field]),
+                                solution if isinstance(solution, str) else None))
     ids = [p.id for p in problems]
     if len(set(ids)) != len(ids):
         where = records[0][0].rsplit(":", 1)[0] if records else "records"

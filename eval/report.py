@@ -116,6 +116,14 @@ def markdown_table(summary: dict) -> str:
             for stratum, g in groups.items():
                 lines.append(f"| {name} | {stratum} | {g['problems']} | {100 * g['accuracy']:.1f} | "
                              f"{100 * g['lenient_accuracy']:.1f} | {100 * g['best_baseline']:.1f} |")
+    steps = [(name, m["worked_steps"]) for name, m in benches.items() if m.get("worked_steps")]
+    if steps:
+        lines += ["", "Worked steps (eval/worked_steps.py: the equations a completion writes, the share of them whose "
+                  "arithmetic is right, the share of the worked solution's results reached by a right one):", "",
+                  "| benchmark | equations a completion | arithmetic right | worked steps reached |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {w['equations']:.2f} | {100 * w['arithmetic']:.1f}% | {100 * w['reached']:.1f}% |"
+                  for name, w in steps]
     s = summary.get("sampling", {})
     lines.append("")
     if summary.get("model"):

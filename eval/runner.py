@@ -24,6 +24,7 @@ from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problem
 from .generation import GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
 from .metrics import cluster_answers, summarize
 from .report import write_reports
+from .worked_steps import worked_steps
 
 BOXED = "\\boxed"  # an instruction that names it asks for boxed answers: their accuracy is the headline
 
@@ -264,6 +265,10 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
             "boxed_correct": [bool(s) for s in boxed_scores[sl]],
         })
     summary = summarize(rows, seed=seed)
+    if all(p.solution for p in problems):
+        steps = worked_steps(texts, [p.solution for p in problems for _ in range(repeats)])
+        if steps is not None:
+            summary["worked_steps"] = steps
     summary["reward_stats"] = stats.as_dict()
     summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
     summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})

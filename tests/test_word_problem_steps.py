@@ -1,43 +1,61 @@
-"""``python -m benchmarks.pipeline.word_problem_steps``: how far completions get through the worked steps of the
-synthetic word problems, read from an evaluation's generations."""
+"""``eval/worked_steps.py``: how far completions get through a problem's worked steps, in the evaluation's summary
+and report; ``python -m benchmarks.pipeline.word_problem_steps`` reads it from an evaluation's generations."""
 
 import json
 
 import pytest
 
-from benchmarks.pipeline.word_problem_steps import equations, main, measure
+from benchmarks.pipeline.word_problem_steps import main, measure
+from eval.worked_steps import equations, worked_steps
+
+# the first validation word problem's worked solution: 2*8=16, 23+16=39, 39/3=13, 2*3=6, 13+6=19, 2*5=10, 19+10=29
+WORKED = ("The packs hold 2*8=16, so Mia has 23+16=39. One share is 39/3=13. The jars hold 2*3=6, so Mia has "
+          "13+6=19. The jars hold 2*5=10, so Mia has 19+10=29. Mia has 29 shells now. \\boxed{29}")
+PARTIAL = "Mia gets 2*8=16 shells, so 23+16=39. Then 39/3=12. \\boxed{12}"  # two steps right, one wrong, stops
 
 
 def test_equations_are_read_and_checked_as_the_problems_compute():
-    assert equations("28*4 = 112, so 28+112=140; 52/2=26 and 9 - 4 = 6; 7 x 3 = 21") == \
-        [(112, True), (140, True), (26, True), (6, False), (21, True)]
-    assert equations("57/3=19, 5/0=1, 2+2 is 4") == [(19, True), (1, False)]  # shares are whole; no '=' no equation
+    """Products and shares before sums, shares whole; a chain is one equation (``2+3+4 = 9`` right, not ``3+4 = 9``
+    wrong); the ends of decimals and of longer numbers are no equation; a sentence's full stop ends a result."""
+    assert equations("Then Ken has 20-1=19. 28*4 = 112; 2+3+4 = 9, 10-2*3=4, 12/6*3=6, 16+10 = 40; 7 x 3 = 21") == \
+        [(19, True), (112, True), (9, True), (4, True), (6, True), (40, False), (21, True)]
+    assert equations("57/3=19, 7/2=3, 5/0=1, 1.5+2=3, 7/2=3.5, 2+2 is 4") == [(19, True), (3, True), (1, False)]
 
 
-def test_a_completion_is_measured_against_its_problems_worked_solution(tmp_path, capsys):
-    """The first validation problem's solution (2*8=16, 23+16=39, 39/3=13, 2*3=6, 13+6=19, 2*5=10, 19+10=29)
-    copied whole, and a completion that gets two steps right, one wrong, and stops: equations per completion,
-    arithmetic over the equations, the worked results reached by right equations, the boxed answer; two files of
-    one label pool."""
-    worked = ("The packs hold 2*8=16, so Mia has 23+16=39. One share is 39/3=13. The jars hold 2*3=6, so Mia has "
-              "13+6=19. The jars hold 2*5=10, so Mia has 19+10=29. Mia has 29 shells now. \\boxed{29}")
-    partial = "Mia gets 2*8=16 shells, so 23+16=39. Then 39/3=12. \\boxed{12}"
+def test_worked_steps_count_equations_arithmetic_and_the_steps_reached():
+    got = worked_steps([WORKED, PARTIAL], [WORKED, WORKED])
+    assert got["equations"] == pytest.approx((7 + 3) / 2) and got["arithmetic"] == pytest.approx(9 / 10)
+    assert got["reached"] == pytest.approx((1 + 2 / 7) / 2)
+    assert worked_steps([WORKED], ["The answer is $\\frac{1}{2}$."]) is None  # solutions not written in steps
+
+
+def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tmp_path, capsys):
+    """The summary and the report of a word-problem set carry the measure; a set without worked solutions does not;
+    the script reads the same from the generations, two files of one label pooled."""
+    from eval.benchmarks import Problem, load_problems
+    from eval.report import markdown_table
+    from test_eval import scored
+
+    problem = load_problems("word_problems_val", limit=1)[0]
+    assert problem.solution == WORKED
+    summary = scored([problem], [WORKED, PARTIAL])
+    assert summary["worked_steps"] == worked_steps([WORKED, PARTIAL], [WORKED] * 2)
+    assert "| toy | 5.00 | 90.0% | 64.3% |" in markdown_table({"benchmarks": {"toy": summary}})
+    assert "worked_steps" not in scored([Problem("1", "What is 2+2?", "4")], ["\\boxed{4}"] * 2)
+
     files = []
-    for i, text in enumerate((worked, partial)):
+    for i, text in enumerate((WORKED, PARTIAL)):
         files.append(tmp_path / f"{i}.jsonl")
-        files[-1].write_text(json.dumps({"benchmark": "word_problems_val", "problem_id": "word-20261129-0",
-                                         "sample": 0, "text": text}) + "\n")
-    got = measure([str(f) for f in files])
-    assert got["completions"] == 2 and got["equations"] == pytest.approx((7 + 3) / 2)
-    assert got["arithmetic"] == pytest.approx(9 / 10) and got["reached"] == pytest.approx((1 + 2 / 7) / 2)
-    assert got["accuracy"] == pytest.approx(0.5)
+        files[-1].write_text(json.dumps({"benchmark": "word_problems_val", "problem_id": problem.id, "sample": 0,
+                                         "text": text}) + "\n")
+    assert measure([str(f) for f in files]) == {"completions": 2, **summary["worked_steps"]}
     main([f"model={files[0]}", f"model={files[1]}", "--out", str(tmp_path / "steps.md")])
-    assert "| model | 2 | 5.00 | 90.0% | 64.3% | 50.00% |" in capsys.readouterr().out
+    assert "| model | 2 | 5.00 | 90.0% | 64.3% |" in capsys.readouterr().out
     assert json.loads((tmp_path / "steps.json").read_text())["model"]["completions"] == 2
     files[0].write_text(json.dumps({"benchmark": "word_problems_val", "problem_id": "nope", "sample": 0,
                                     "text": ""}) + "\n")
     with pytest.raises(ValueError, match="0.jsonl:1: problem 'nope' is not in word_problems_val"):
         measure([str(files[0])])
-    files[0].write_text(json.dumps({"benchmark": "gsm8k", "problem_id": "1", "sample": 0, "text": ""}) + "\n")
-    with pytest.raises(ValueError, match="gsm8k: not a word-problem benchmark"):
+    files[0].write_text(json.dumps({"benchmark": "math500", "problem_id": "math500-0", "sample": 0, "text": ""}) + "\n")
+    with pytest.raises(ValueError, match="math500: not every worked solution states its steps"):
         measure([str(files[0])])

@@ -1,0 +1,63 @@
+"""How far completions get through a problem's worked solution, step by step: a measure that moves where accuracy
+sits at the floor.
+
+A worked solution of the synthetic word problems (``pipeline.synthetic``) or of GSM8K states each step as an
+equation (``28*4=112``, ``28+112=140``); so do the models' completions. Per completion: the equations it states
+(whole numbers and ``+ - * x /``, ``/`` a whole share), the share of them whose arithmetic is right, and the share
+of the worked solution's intermediate results it reaches by a right equation (its plan, as far as it got). A model
+that learns to reason through such problems reaches more steps with right arithmetic before it answers more of them
+right. The evaluation reports it for a benchmark whose every worked solution states an equation
+(``eval.runner.score_benchmark``); ``python -m benchmarks.pipeline.word_problem_steps`` reads it from generations.
+"""
+
+from __future__ import annotations
+
+import re
+
+# an expression of whole numbers (not the tail of a decimal or of a longer number) = a whole number
+EQUATION = re.compile(r"(?<!\d)(?<!\d\.)(\d+(?:\s*[-+*/x×]\s*\d+)+)\s*=\s*(\d+)(?!\d|\.\d)")
+
+
+def value(expression: str) -> int | None:
+    """A whole-number expression's value, products and shares before sums, a share whole (``57/3`` is 19, ``7/2``
+    3); None where it divides by zero."""
+    tokens = re.findall(r"\d+|[-+*/x×]", expression)
+    terms, signs = [int(tokens[0])], []
+    for op, number in zip(tokens[1::2], map(int, tokens[2::2])):
+        if op in "+-":
+            terms.append(number)
+            signs.append(op)
+        elif op == "/":
+            if number == 0:
+                return None
+            terms[-1] //= number
+        else:
+            terms[-1] *= number
+    return terms[0] + sum(t if sign == "+" else -t for sign, t in zip(signs, terms[1:]))
+
+
+def equations(text: str) -> list[tuple[int, bool]]:
+    """Each ``expression = result`` in ``text``: its stated result and whether it is right."""
+    return [(int(m[2]), value(m[1]) == int(m[2])) for m in EQUATION.finditer(text)]
+
+
+def completion_steps(completion: str, solution: str) -> dict:
+    """One completion against a worked ``solution``: its equations, the right ones, and the share of the
+    solution's results it reaches by a right equation."""
+    stated = equations(completion)
+    plan = [c for c, _ in equations(solution)]
+    reached = {c for c, right in stated if right}
+    return {"equations": len(stated), "right": sum(r for _, r in stated),
+            "reached": sum(c in reached for c in plan) / len(plan) if plan else 0.0}
+
+
+def worked_steps(completions: list[str], solutions: list[str | None]) -> dict | None:
+    """The averages over ``completions`` (each beside its problem's worked solution): equations a completion, the
+    share of all stated equations that are right, the share of worked steps reached; None when a worked solution
+    states no equation or is missing (a benchmark whose solutions are not written in steps)."""
+    if not completions or any(not s or not equations(s) for s in set(solutions)):
+        return None
+    rows = [completion_steps(c, s) for c, s in zip(completions, solutions, strict=True)]
+    stated = sum(r["equations"] for r in rows)
+    return {"equations": stated / len(rows), "arithmetic": sum(r["right"] for r in rows) / stated if stated else 0.0,
+            "reached": sum(r["reached"] for r in rows) / len(rows)}
