@@ -265,10 +265,9 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
             "boxed_correct": [bool(s) for s in boxed_scores[sl]],
         })
     summary = summarize(rows, seed=seed)
-    if all(p.solution for p in problems):
-        steps = worked_steps(texts, [p.solution for p in problems for _ in range(repeats)])
-        if steps is not None:
-            summary["worked_steps"] = steps
+    steps = worked_steps(texts, [p.solution for p in problems for _ in range(repeats)])
+    if steps is not None:  # every problem's worked solution states its equations: the word problems
+        summary["worked_steps"] = steps
     summary["reward_stats"] = stats.as_dict()
     summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
     summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})

@@ -6,8 +6,9 @@ equation (``28*4=112``, ``28+112=140``); so do the models' completions. Per comp
 (whole numbers and ``+ - * x /``, ``/`` a whole share), the share of them whose arithmetic is right, and the share
 of the worked solution's intermediate results it reaches by a right equation (its plan, as far as it got). A model
 that learns to reason through such problems reaches more steps with right arithmetic before it answers more of them
-right. The evaluation reports it for a benchmark whose every worked solution states an equation
-(``eval.runner.score_benchmark``); ``python -m benchmarks.pipeline.word_problem_steps`` reads it from generations.
+right. The evaluation reports it for a benchmark whose every worked solution states an equation, the word problems
+(66 of GSM8K test's 1,319 state none; ``eval.runner.score_benchmark``); ``python -m
+benchmarks.pipeline.word_problem_steps`` reads it from generations.
 """
 
 from __future__ import annotations
