@@ -60,13 +60,16 @@ def answer_style(m: dict) -> str:
 def accuracy_cell(m: dict) -> str:
     """One table cell of a benchmark's summary, in %: the headline avg@n (95% CI; the boxed answers alone where the
     evaluation counted them), n, the answers' style (:func:`answer_style`), the lenient reading beside it, and the
-    best trivial baseline where the summary has it."""
+    best trivial baseline and the worked steps (``eval/worked_steps.py``) where the summary has them."""
     strict = boxed_headline(m)
     cell = f"{percent_ci(headline(m))}{' boxed' if strict else ''}, n={m['repeats']}{answer_style(m)}"
     if strict:
         cell += f" ({percent_ci(accuracy(m))} lenient)"
     base = baseline_cell(m)
-    return cell + (f"; baseline {base}" if base else "")
+    steps = m.get("worked_steps")
+    return cell + (f"; baseline {base}" if base else "") + \
+        (f"; worked steps {100 * steps['reached']:.1f}% reached, {100 * steps['arithmetic']:.1f}% of equations right"
+         if steps else "")
 
 
 def boxed_headline(m: dict) -> bool:

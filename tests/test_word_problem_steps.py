@@ -33,7 +33,7 @@ def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tm
     """The summary and the report of a word-problem set carry the measure; a set without worked solutions does not;
     the script reads the same from the generations, two files of one label pooled."""
     from eval.benchmarks import Problem, load_problems
-    from eval.report import markdown_table
+    from eval.report import accuracy_cell, markdown_table
     from test_eval import scored
 
     problem = load_problems("word_problems_val", limit=1)[0]
@@ -41,6 +41,7 @@ def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tm
     summary = scored([problem], [WORKED, PARTIAL])
     assert summary["worked_steps"] == worked_steps([WORKED, PARTIAL], [WORKED] * 2)
     assert "| toy | 5.00 | 90.0% | 64.3% |" in markdown_table({"benchmarks": {"toy": summary}})
+    assert accuracy_cell(summary).endswith("; worked steps 64.3% reached, 90.0% of equations right")  # compare, sweep
     assert "worked_steps" not in scored([Problem("1", "What is 2+2?", "4")], ["\\boxed{4}"] * 2)
 
     files = []
