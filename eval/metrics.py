@@ -82,8 +82,8 @@ def ks_for(n: int) -> list[int]:
 def summarize(problems: list[dict], seed: int = 0) -> dict:
     """Metrics of one benchmark. Each problem: ``{"correct": [bool]*n, "clusters": [int]*n,
     "lengths": [int]*n, "truncated": [bool]*n}`` with the same n for all problems, and optionally ``"boxed":
-    [bool]*n`` (the answer given as the prompt asks, in a box) and ``"boxed_correct": [bool]*n`` (the last box's
-    answer right; without it, a right answer of a completion that boxed one): then ``boxed_rate``, which tells a
+    [bool]*n`` (the answer given as the prompt asks, in a box) with ``"boxed_correct": [bool]*n`` (the last box's
+    answer right): then ``boxed_rate``, which tells a
     model that answers in the format from one whose score is the fallback's reading of unformatted text, and
     ``boxed_avg@n`` with its interval, the accuracy of boxed answers alone (an unboxed answer counts wrong): the
     strict reading, which shows a training step that raises the score by dropping the format."""
@@ -108,10 +108,7 @@ def summarize(problems: list[dict], seed: int = 0) -> dict:
     if all("boxed" in p for p in problems):
         boxed = [b for p in problems for b in p["boxed"][:n]]
         result["boxed_rate"] = sum(boxed) / len(boxed) if boxed else 0.0
-        if all("boxed_correct" in p for p in problems):
-            strict = [p["boxed_correct"][:n] for p in problems]
-        else:
-            strict = [[c and b for c, b in zip(row, p["boxed"][:n])] for row, p in zip(correct, problems)]
+        strict = [p["boxed_correct"][:n] for p in problems]
         result[f"boxed_avg@{n}"] = avg_at_k(strict)
         result["per_problem_boxed_accuracy"] = [sum(row) / n for row in strict]
         result[f"boxed_avg@{n}_ci95"] = bootstrap_ci(result["per_problem_boxed_accuracy"], seed=seed)

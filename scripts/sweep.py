@@ -12,10 +12,10 @@ runs the rest of the recipe from that model (``--checkpoint``, its align stage o
 after the common ``--set`` ones, scoring its last model (``eval.models=[last]``, or the models ``--set`` names).
 ``--shared distill`` shares align and distillation (variants of GRPO), ``--shared grpo`` every training stage
 (variants of the evaluation). Without ``--shared`` each variant runs the whole recipe, or another recipe named after
-its name (the second example: both arms, two seeds each, a GPU each), and scores the models the recipe names. The variants run side by side
-(``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of its own, on the GPUs the
-sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take little longer than one
-(``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
+its name (the second example: both arms, two seeds each, a GPU each), and scores the models the recipe names. The
+variants run side by side (``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of
+its own, on the GPUs the sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take
+little longer than one (``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
 the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that a variant alone on its GPU
 times what the recipe alone would; ``--gpus 0+1,2+3`` gives each run a group of GPUs (GRPO split into trainers and
 engines, ``ray.num_gpus=2``). Each

@@ -41,8 +41,10 @@ def test_hand_computed_metrics():
     assert summary["maj@k"][1] == pytest.approx(0.5) and summary["truncation_rate"] == pytest.approx(0.25)
     assert summary["mean_length"] == pytest.approx(10) and summary["max_length"] == 20
     assert "boxed_rate" not in summary  # not counted: no column rather than a wrong one
-    boxed = summarize([{"correct": [True], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [True]},
-                       {"correct": [False], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [False]}])
+    boxed = summarize([{"correct": [True], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [True],
+                        "boxed_correct": [True]},
+                       {"correct": [False], "clusters": [0], "lengths": [1], "truncated": [False], "boxed": [False],
+                        "boxed_correct": [False]}])
     assert boxed["boxed_rate"] == pytest.approx(0.5)
     assert boxed["boxed_avg@1"] == pytest.approx(0.5)  # the right answer was boxed
 
@@ -312,6 +314,8 @@ def test_compare_puts_finished_runs_side_by_side(tmp_path, capsys):
         problems = [{"correct": [rng.random() < accuracy for _ in range(4)], "clusters": [0, 1, 2, 3],
                      "lengths": [10] * 4, "truncated": [False] * 4, "boxed": [True, True, True, False]}
                     for _ in range(30)]
+        for p in problems:  # the last box right where the answer was right and boxed
+            p["boxed_correct"] = [c and b for c, b in zip(p["correct"], p["boxed"])]
         summary = {"benchmarks": {"gsm8k": summarize(problems)}, "model": model}
         summary["benchmarks"]["gsm8k"]["per_problem"] = [
             {"id": f"p{i}", "accuracy": sum(p["correct"]) / 4,
