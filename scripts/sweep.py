@@ -15,17 +15,17 @@ after the common ``--set`` ones, scoring its last model (``eval.models=[last]``,
 its name (the second example: both arms, two seeds each, a GPU each), and scores the models the recipe names. The
 variants run side by side (``--parallel`` at a time, default all), each a ``sse-pipeline run`` process with a Ray of
 its own, on the GPUs the sweep sees: a small model leaves the GPU waiting on its host, so variants side by side take
-little longer than one (``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them instead: the shared run on
-the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that a variant alone on its GPU
-times what the recipe alone would; ``--gpus 0+1,2+3`` gives each run a group of GPUs (GRPO split into trainers and
-engines, ``ray.num_gpus=2``). Each
-keeps its usual folder, ``OUT/<variant>``, and its log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and
-``OUT/sweep.json`` hold, per variant, its recipe and overrides, wall time, the last logged distillation metrics,
-GRPO's reward and completion lengths, and for each evaluated model every benchmark's avg@n with its 95% interval,
-the share of boxed answers and their accuracy alone. A variant that ran out of GPU memory beside others runs again
-first (from its last checkpoint), and from then on the sweep runs only as many at a time as ran beside it. Variants
-that stopped otherwise (the machine gone) run again by the same command: every finished stage of every variant is
-skipped (an evaluation scores its model's generations again, generating nothing), and the table covers them all.
+little longer than one (``--parallel`` where their memory would not fit at once). ``--gpus 0,1,2`` spreads them
+instead: the shared run on the first, each variant on the one running the fewest (``CUDA_VISIBLE_DEVICES``), so that
+a variant alone on its GPU times what the recipe alone would; ``--gpus 0+1,2+3`` gives each run a group of GPUs
+(GRPO split into trainers and engines, ``ray.num_gpus=2``). Each keeps its usual folder, ``OUT/<variant>``, and its
+log, ``OUT/<variant>.log``; ``OUT/sweep.md`` and ``OUT/sweep.json`` hold, per variant, its recipe and overrides,
+wall time, the last logged distillation metrics, GRPO's reward and completion lengths, and for each evaluated model
+every benchmark's avg@n with its 95% interval, the share of boxed answers and their accuracy alone. A variant that
+ran out of GPU memory beside others runs again first (from its last checkpoint), and from then on the sweep runs
+only as many at a time as ran beside it. Variants that stopped otherwise (the machine gone) run again by the same
+command: every finished stage of every variant is skipped (an evaluation scores its model's generations again,
+generating nothing), and the table covers them all.
 """
 
 from __future__ import annotations
