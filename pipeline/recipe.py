@@ -429,14 +429,15 @@ STAGE_SETTINGS = {
 # and of which models the evaluation scores: changing them never refuses a re-run, so that a stage resumes on
 # another number of workers or a GPU of another size (the same steps; GRPO's samples are seeded per worker, each
 # request's draws by its own seed, pipeline/rollout/sampling.py, whatever else runs beside it), and a model added to
-# eval.models is evaluated beside the ones scored already (each model's generations in a folder of its own)
+# eval.models or a benchmark to eval.benchmarks is evaluated beside the ones scored already (each model's generations
+# in a folder of its own, each benchmark's in a file of its own)
 # (the KV cache's and the states' dtypes change what the engine computes: part of the experiment, not of where it runs)
 ENGINE_CAPACITY = (*(f.name for f in dataclasses.fields(EngineOptions)
                      if f.name not in ("kv_cache_dtype", "state_cache_dtype")), "sleep")
 OPERATIONAL = ("grpo.max_engine_restarts", "grpo.engine_resources", "grpo.weight_sync", "grpo.placement",
                "grpo.num_workers", "grpo.num_engines", "grpo.micro_batch_size", "distill.num_workers",
                "distill.micro_batch_size", "distill.eval_data", "distill.eval_steps", "align.micro_batch_size",
-               "eval.models", "eval.num_workers",
+               "eval.models", "eval.benchmarks", "eval.num_workers",
                *(f"{stage}.engine.{key}" for stage in ("grpo", "eval") for key in ENGINE_CAPACITY))
 
 

@@ -120,17 +120,25 @@ def generate_all(recipe: Recipe, out_dir: Path, checkpoint: str | Path, workers:
         get_files(store, out_dir / "generations")
 
 
-def generated_already(out_dir: Path, location: str) -> bool:
-    """Whether ``out_dir`` holds every generation of this very model: its summary, written once they were all
-    scored, names the model (its location's identity, fingerprint included). A re-run then scores them again (CPU
+def scored_summary(out_dir: Path) -> dict:
+    """The summary ``out_dir``'s evaluation wrote once every generation was scored; {} without one (or half a file
+    from before atomic writes)."""
+    try:
+        return json.loads((Path(out_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def generated_already(out_dir: Path, location: str, benchmarks=()) -> bool:
+    """Whether ``out_dir`` holds every generation of this very model on each of ``benchmarks``: its summary names
+    the model (its location's identity, fingerprint included) and covers them. A re-run then scores them again (CPU
     only, so a grader's fix applies) without loading the model or starting an engine. Changed evaluation settings
     moved the folder aside before this is asked (:func:`pipeline.run.prepare_stage`); another model, or the same
-    path retrained, has another identity."""
-    summary = Path(out_dir) / "summary.json"
-    try:
-        return same_model(json.loads(summary.read_text()).get("model"), model_id(location))
-    except (OSError, ValueError):  # none yet, or half a file from before atomic writes
-        return False
+    path retrained, has another identity; a benchmark added to ``eval.benchmarks`` is generated beside the ones
+    done (each benchmark's generations are a file of their own, resumed where they stopped)."""
+    summary = scored_summary(out_dir)
+    covered = set(benchmarks) <= set(summary.get("benchmarks", {}))
+    return covered and same_model(summary.get("model"), model_id(location))
 
 
 def score_all(recipe: Recipe, out_dir: Path) -> dict:
@@ -214,8 +222,10 @@ class EvalStage(Stage):
             stems[stem] = name
 
     def scored(self, recipe: Recipe, stage_dir: Path) -> bool:
-        """Whether every model of ``eval.models`` has its summary (the stage is done)."""
-        return all((eval_dir(stage_dir, name) / "summary.json").exists() for name in recipe.eval.models)
+        """Whether every model of ``eval.models`` has its summary, covering every benchmark of ``eval.benchmarks``
+        (the stage is done)."""
+        return all(set(recipe.eval.benchmarks) <= set(scored_summary(eval_dir(stage_dir, name)).get("benchmarks", {}))
+                   for name in recipe.eval.models)
 
     def run(self, recipe: Recipe, stage_dir: Path, start: str | None, plan) -> str | None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -230,7 +240,8 @@ class EvalStage(Stage):
                 model = (start or initial_checkpoint(recipe, out)) if name == "last" else stage_model(recipe, out, name)
                 model_dir = str(eval_dir(stage_dir, name))
                 location = str(stored(recipe, model, "eval"))
-                if generated_already(Path(model_dir), location):  # a re-run: scored again, nothing generated
+                # a re-run: scored again, nothing generated
+                if generated_already(Path(model_dir), location, recipe.eval.benchmarks):
                     logger.info("eval: %s: every generation of this model is in %s, scoring them again", name,
                                 model_dir)
                     node = ray.get_runtime_context().get_node_id()  # where this driver read them
