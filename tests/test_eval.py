@@ -1,6 +1,7 @@
 """Evaluation: metrics against hand-computed values, problem loading, and a resumable end-to-end run."""
 
 import json
+from pathlib import Path
 from math import comb
 
 import pytest
@@ -809,3 +810,18 @@ def test_t_quantiles_and_a_prediction_interval_hold_a_new_draw_95_percent_of_the
         low, high = prediction_interval(draws)
         hits += low <= rng.gauss(0, 1) <= high
     assert 0.935 < hits / 4000 < 0.965
+
+
+def test_the_kept_grpo_data_sweep_reads_as_docs_real_model_says(tmp_path):
+    """``compare`` on the kept validation sweep (docs/runs/2026-11-29c-grpo-data-validation): GRPO on 1-3-step
+    problems lifts the four-event stories' answers above 10, the other two variants stay within reach of zero."""
+    from pipeline.cli import main
+
+    kept = Path(__file__).parents[1] / "docs" / "runs" / "2026-11-29c-grpo-data-validation"
+    assert main(["compare", f"wp3k={kept / 'wp3k'}", f"wp12k={kept / 'wp12k'}", f"g13={kept / 'wp12k-g13'}",
+                 "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    above_10 = text[text.index("| change, boxed, answers > 10"):]
+    assert "| g13: after distillation -> after GRPO | +5.1 (+3.7 to +6.5) |" in above_10
+    assert "| wp12k: after distillation -> after GRPO | +0.4 (-0.1 to +0.9) |" in above_10
+    assert "| g13, after GRPO | 5.8 (4.5-7.1) boxed" in text and "baseline first number: 1.2 **not beaten**" in text

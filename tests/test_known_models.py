@@ -341,7 +341,7 @@ def test_the_smollm2_recipe_distills_boxed_gsm8k_solutions():
     assert recipe.eval.benchmarks == ["word_problems_val"]
     traces = sft_dataset(recipe.distill.data, recipe.prompt_instruction)
     answers = prompt_dataset(DataSpec(source="gsm8k_train"), recipe.prompt_instruction)
-    assert len(traces) == 6973 + 3000 and len(answers) == 7473
+    assert len(traces) == 6973 + 12000 and len(answers) == 7473
     # the held-out solutions the distillation scores: GSM8K train's last 500, which it does not train on
     held = sft_dataset(recipe.distill.eval_data, recipe.prompt_instruction)
     assert len(held) == 500 and {r["prompt"][0]["content"] for r in held}.isdisjoint(
