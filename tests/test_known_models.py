@@ -200,7 +200,8 @@ def test_an_unpacked_gguf_keeps_the_files_special_tokens_whatever_the_loader_rea
 def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf, tmp_path, caplog):
     """The converted model's path: align (checkpointed, per-layer losses logged and plotted), distillation with the
     teacher's logits, GRPO, the evaluation of three of its models by one generation worker; re-running finds every
-    stage done, and a re-run that adds a model to eval.models evaluates that one alone."""
+    stage done, and a re-run that adds a model to eval.models evaluates that one alone, one that adds a benchmark
+    that benchmark alone."""
     import json
     import logging
 
@@ -245,6 +246,19 @@ def test_a_converted_gguf_model_aligns_distills_and_trains_with_grpo(llama_gguf,
         report = run_recipe(more, ("eval",))
     assert [line.split()[1] for line in caplog.messages if "generations in" in line] == ["distill:"], caplog.messages
     assert "distill: gsm8k avg@1" in report.read_text() and (run / "eval" / "distill" / "summary.json").exists()
+    # a benchmark added (the test sets once a recipe is frozen): not refused, nor generated all again with --redo
+    # eval as it was; each model generates the new one alone, its summary covering both
+    done = run / "eval" / "generations" / "gsm8k.jsonl"
+    written = done.read_bytes(), done.stat().st_mtime_ns
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        run_recipe(load_recipe("demo", [*recipe_overrides, "eval.models=[last,distill]",
+                                        "eval.benchmarks=[gsm8k,arithmetic]"]), ("eval",))
+    assert "eval: running again" not in caplog.text and (done.read_bytes(), done.stat().st_mtime_ns) == written
+    assert [line.split()[1] for line in caplog.messages if "generations in" in line] == ["last:", "distill:"]
+    for scored in (run / "eval", run / "eval" / "distill"):
+        assert set(json.loads((scored / "summary.json").read_text())["benchmarks"]) == {"gsm8k", "arithmetic"}
+        assert len((scored / "generations" / "arithmetic.jsonl").read_text().splitlines()) == 2
     from pipeline.cli import main
 
     table = run / "loss.md"

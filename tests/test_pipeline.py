@@ -420,31 +420,6 @@ def test_a_rerun_with_changed_settings_is_refused_or_redone(tmp_path, caplog):
     assert prepare_stage(changed, "grpo", tmp_path / "grpo", redo=True)  # a later stage follows a redone one
 
 
-def test_a_benchmark_added_to_a_finished_evaluation_is_scored_beside_the_ones_done(tmp_path, caplog):
-    """The test sets once a recipe is frozen, on a run that scored its validation set: the re-run with more
-    benchmarks was refused (settings changed) or, with --redo eval, generated everything again; it now generates the
-    added benchmark alone and the summary covers them all."""
-    import json
-
-    from pipeline.run import run_recipe
-
-    base = [f"output_dir={tmp_path}", "eval.limit=2", "eval.repeats=1", "eval.max_new_tokens=4"]
-    run_recipe(load_recipe("demo", [*base, "eval.benchmarks=[arithmetic]"]), ("eval",))  # the initial model
-    first = tmp_path / "eval" / "generations" / "arithmetic.jsonl"
-    written = first.read_bytes(), first.stat().st_mtime_ns
-    more = load_recipe("demo", [*base, "eval.benchmarks=[arithmetic,gsm8k]"])
-    with caplog.at_level("INFO", logger="pipeline"):
-        run_recipe(more, ("eval",))
-    assert "eval: done, skipping" not in caplog.text and "eval: running again" not in caplog.text
-    assert (first.read_bytes(), first.stat().st_mtime_ns) == written  # the done benchmark: nothing generated
-    assert len((tmp_path / "eval" / "generations" / "gsm8k.jsonl").read_text().splitlines()) == 2
-    assert set(json.loads((tmp_path / "eval" / "summary.json").read_text())["benchmarks"]) == {"arithmetic", "gsm8k"}
-    caplog.clear()
-    with caplog.at_level("INFO", logger="pipeline"):
-        run_recipe(more, ("eval",))
-    assert "eval: done, skipping" in caplog.text
-
-
 def test_overlong_distillation_records_are_dropped_and_counted(caplog):
     from datasets import Dataset
 
