@@ -66,10 +66,16 @@ def accuracy_cell(m: dict) -> str:
     if strict:
         cell += f" ({percent_ci(accuracy(m))} lenient)"
     base = baseline_cell(m)
-    steps = m.get("worked_steps")
-    return cell + (f"; baseline {base}" if base else "") + \
-        (f"; worked steps {100 * steps['reached']:.1f}% reached, {100 * steps['arithmetic']:.1f}% of equations right"
-         if steps else "")
+    return cell + (f"; baseline {base}" if base else "") + steps_cell(m.get("worked_steps"))
+
+
+def steps_cell(steps: dict | None) -> str:
+    """The worked steps of a cell (``eval/worked_steps.py``), where the summary has them."""
+    if not steps:
+        return ""
+    every = steps.get("right_by_every_step")  # summaries from before it was measured have none
+    return (f"; worked steps {100 * steps['reached']:.1f}% reached, {100 * steps['arithmetic']:.1f}% of equations "
+            f"right" + (f", {100 * every:.1f}% right by every step" if every is not None else ""))
 
 
 def boxed_headline(m: dict) -> bool:
@@ -122,10 +128,13 @@ def markdown_table(summary: dict) -> str:
     steps = [(name, m["worked_steps"]) for name, m in benches.items() if m.get("worked_steps")]
     if steps:
         lines += ["", "Worked steps (eval/worked_steps.py: the equations a completion writes, the share of them whose "
-                  "arithmetic is right, the share of the worked solution's results reached by a right one):", "",
-                  "| benchmark | equations a completion | arithmetic right | worked steps reached |",
-                  "| --- | --- | --- | --- |"]
-        lines += [f"| {name} | {w['equations']:.2f} | {100 * w['arithmetic']:.1f}% | {100 * w['reached']:.1f}% |"
+                  "arithmetic is right, the share of the worked solution's results reached by a right one, the share "
+                  "of completions answered right having reached every one, which no guess earns):", "",
+                  "| benchmark | equations a completion | arithmetic right | worked steps reached "
+                  "| right by every step |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {w['equations']:.2f} | {100 * w['arithmetic']:.1f}% | {100 * w['reached']:.1f}% | "
+                  + (f"{100 * w['right_by_every_step']:.1f}% |" if "right_by_every_step" in w else "|")
                   for name, w in steps]
     s = summary.get("sampling", {})
     lines.append("")

@@ -265,14 +265,15 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
             "boxed_correct": [bool(s) for s in boxed_scores[sl]],
         })
     summary = summarize(rows, seed=seed)
-    steps = worked_steps(texts, [p.solution for p in problems for _ in range(repeats)])
+    # the headline: where the prompt asks for \boxed{}, the boxed answers alone (the lenient reading beside it)
+    asks_boxed = instruction is None or BOXED in instruction
+    steps = worked_steps(texts, [p.solution for p in problems for _ in range(repeats)],
+                         right=[bool(s) for s in (boxed_scores if asks_boxed else scores)])
     if steps is not None:  # every problem's worked solution states its equations: the word problems
         summary["worked_steps"] = steps
     summary["reward_stats"] = stats.as_dict()
     summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
     summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})
-    # the headline: where the prompt asks for \boxed{}, the boxed answers alone (the lenient reading beside it)
-    asks_boxed = instruction is None or BOXED in instruction
     summary["headline"] = f"{'boxed_' if asks_boxed else ''}avg@{repeats}"
     boxed = summary.pop("per_problem_boxed_accuracy")  # each problem's strict reading, for paired comparisons
     lenient = summary.pop("per_problem_accuracy")

@@ -6,9 +6,11 @@ equation (``28*4=112``, ``28+112=140``); so do the models' completions. Per comp
 (whole numbers and ``+ - * x /``, ``/`` a whole share), the share of them whose arithmetic is right, and the share
 of the worked solution's intermediate results it reaches by a right equation (its plan, as far as it got). A model
 that learns to reason through such problems reaches more steps with right arithmetic before it answers more of them
-right. The evaluation reports it for a benchmark whose every worked solution states an equation, the word problems
-(66 of GSM8K test's 1,319 state none; ``eval.runner.score_benchmark``); ``python -m
-benchmarks.pipeline.word_problem_steps`` reads it from generations.
+right. Given each completion's grade, also the share right by every step: answered right having reached every
+intermediate result by a right equation, an accuracy no guess earns (a right answer reached by wrong steps, or
+without any, does not count). The evaluation reports them for a benchmark whose every worked solution states an
+equation, the word problems (66 of GSM8K test's 1,319 state none; ``eval.runner.score_benchmark``); ``python -m
+benchmarks.pipeline.word_problem_steps`` reads them from generations.
 """
 
 from __future__ import annotations
@@ -52,13 +54,23 @@ def completion_steps(completion: str, solution: str) -> dict:
             "reached": sum(c in reached for c in plan) / len(plan) if plan else 0.0}
 
 
-def worked_steps(completions: list[str], solutions: list[str | None]) -> dict | None:
+def written_in_steps(solutions: list[str | None]) -> bool:
+    """Whether every worked solution states its steps as equations (the word problems; not MATH's)."""
+    return all(s and equations(s) for s in set(solutions))
+
+
+def worked_steps(completions: list[str], solutions: list[str | None], right: list[bool] | None = None) -> dict | None:
     """The averages over ``completions`` (each beside its problem's worked solution): equations a completion, the
-    share of all stated equations that are right, the share of worked steps reached; None when a worked solution
-    states no equation or is missing (a benchmark whose solutions are not written in steps)."""
-    if not completions or any(not s or not equations(s) for s in set(solutions)):
+    share of all stated equations that are right, the share of worked steps reached, and with ``right`` (each
+    completion's grade) the share right by every step; None when a worked solution states no equation or is missing
+    (a benchmark whose solutions are not written in steps)."""
+    if not completions or not written_in_steps(solutions):
         return None
     rows = [completion_steps(c, s) for c, s in zip(completions, solutions, strict=True)]
     stated = sum(r["equations"] for r in rows)
-    return {"equations": stated / len(rows), "arithmetic": sum(r["right"] for r in rows) / stated if stated else 0.0,
-            "reached": sum(r["reached"] for r in rows) / len(rows)}
+    steps = {"equations": stated / len(rows), "arithmetic": sum(r["right"] for r in rows) / stated if stated else 0.0,
+             "reached": sum(r["reached"] for r in rows) / len(rows)}
+    if right is not None:
+        steps["right_by_every_step"] = sum(ok and r["reached"] == 1.0
+                                           for ok, r in zip(right, rows, strict=True)) / len(rows)
+    return steps

@@ -25,8 +25,18 @@ def test_equations_are_read_and_checked_as_the_problems_compute():
 def test_worked_steps_count_equations_arithmetic_and_the_steps_reached():
     got = worked_steps([WORKED, PARTIAL], [WORKED, WORKED])
     assert got["equations"] == pytest.approx((7 + 3) / 2) and got["arithmetic"] == pytest.approx(9 / 10)
-    assert got["reached"] == pytest.approx((1 + 2 / 7) / 2)
+    assert got["reached"] == pytest.approx((1 + 2 / 7) / 2) and "right_by_every_step" not in got
     assert worked_steps([WORKED], ["The answer is $\\frac{1}{2}$."]) is None  # solutions not written in steps
+
+
+def test_right_by_every_step_counts_no_right_answer_reached_by_wrong_steps():
+    """A right answer counts only where the completion reached every intermediate result by a right equation: the
+    GRPO model's `1*6=6 books` then `6+20=26` (the solution's 1+6=7 and 7-1=6 skipped) is right, not by every step."""
+    lucky = "Then Noah has 3-2=1. Noah uses up 1*6=6. Noah has 6+20=26. \\boxed{26}"
+    solution = "Then Noah has 3-2=1. Noah finds 1*6=6, so Noah has 1+6=7. Then Noah has 7-1=6. After buying 20 more, " \
+               "Noah has 6+20=26. Noah has 26 books now. \\boxed{26}"
+    got = worked_steps([solution, lucky, solution.replace("7-1=6", "7-1=5")], [solution] * 3, right=[True, True, False])
+    assert got["right_by_every_step"] == pytest.approx(1 / 3)  # the lucky one and the wrong one count for nothing
 
 
 def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tmp_path, capsys):
@@ -39,9 +49,12 @@ def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tm
     problem = load_problems("word_problems_val", limit=1)[0]
     assert problem.solution == WORKED
     summary = scored([problem], [WORKED, PARTIAL])
-    assert summary["worked_steps"] == worked_steps([WORKED, PARTIAL], [WORKED] * 2)
-    assert "| toy | 5.00 | 90.0% | 64.3% |" in markdown_table({"benchmarks": {"toy": summary}})
-    assert accuracy_cell(summary).endswith("; worked steps 64.3% reached, 90.0% of equations right")  # compare, sweep
+    assert summary["worked_steps"] == worked_steps([WORKED, PARTIAL], [WORKED] * 2, right=[True, False])
+    assert "| toy | 5.00 | 90.0% | 64.3% | 50.0% |" in markdown_table({"benchmarks": {"toy": summary}})
+    assert accuracy_cell(summary).endswith("; worked steps 64.3% reached, 90.0% of equations right, 50.0% right by "
+                                           "every step")  # compare, sweep
+    older = {**summary, "worked_steps": worked_steps([WORKED, PARTIAL], [WORKED] * 2)}  # kept before it was measured
+    assert accuracy_cell(older).endswith("of equations right")
     assert "worked_steps" not in scored([Problem("1", "What is 2+2?", "4")], ["\\boxed{4}"] * 2)
 
     files = []
@@ -51,7 +64,7 @@ def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tm
                                          "text": text}) + "\n")
     assert measure([str(f) for f in files]) == {"completions": 2, **summary["worked_steps"]}
     main([f"model={files[0]}", f"model={files[1]}", "--out", str(tmp_path / "steps.md")])
-    assert "| model | 2 | 5.00 | 90.0% | 64.3% |" in capsys.readouterr().out
+    assert "| model | 2 | 5.00 | 90.0% | 64.3% | 50.0% |" in capsys.readouterr().out
     assert json.loads((tmp_path / "steps.json").read_text())["model"]["completions"] == 2
     files[0].write_text(json.dumps({"benchmark": "word_problems_val", "problem_id": "nope", "sample": 0,
                                     "text": ""}) + "\n")

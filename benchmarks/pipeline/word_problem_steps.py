@@ -6,7 +6,7 @@ several runs pooled.
         GRPO=runs/wp/a/eval/generations/word_problems_val.jsonl [--out steps.md]
 
 Labels given twice pool their files (draws of one arm). Averages over completions; the arithmetic over the
-equations stated.
+equations stated; right by every step graded as the evaluation's headline is (the last box).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from pathlib import Path
 
 from common.files import read_records
 from eval.benchmarks import load_problems
-from eval.worked_steps import worked_steps
+from eval.worked_steps import worked_steps, written_in_steps
+from rewards import MathVerifier
 
 
 def measure(files: list[str]) -> dict:
     """:func:`eval.worked_steps.worked_steps` over every completion of ``files`` (generation JSONL)."""
-    completions, solutions, problems = [], [], {}
+    completions, solutions, answers, problems = [], [], [], {}
     for file in files:
         for place, record in read_records(Path(file)):
             name = record.get("benchmark")
@@ -33,20 +34,25 @@ def measure(files: list[str]) -> dict:
                 raise ValueError(f"{place}: problem {record['problem_id']!r} is not in {name}")
             completions.append(record["text"])
             solutions.append(problem.solution)
+            answers.append(problem.answer)
     if not completions:
         raise ValueError(f"{', '.join(files)}: no completions")
-    steps = worked_steps(completions, solutions)
-    if steps is None:
+    if not written_in_steps(solutions):
         raise ValueError(f"{', '.join(sorted(problems))}: not every worked solution states its steps as equations")
-    return {"completions": len(completions), **steps}
+    verifier = MathVerifier(strict=True)  # the headline's reading: the last box
+    try:
+        right = [bool(s) for s in verifier.score(completions, answers)[0]]
+    finally:
+        verifier.close()
+    return {"completions": len(completions), **worked_steps(completions, solutions, right)}
 
 
 def markdown(results: dict[str, dict]) -> str:
-    lines = ["| model | completions | equations a completion | arithmetic right | worked steps reached |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| model | completions | equations a completion | arithmetic right | worked steps reached "
+             "| right by every step |", "|---|---:|---:|---:|---:|---:|"]
     for label, r in results.items():
         lines.append(f"| {label} | {r['completions']} | {r['equations']:.2f} | {100 * r['arithmetic']:.1f}% | "
-                     f"{100 * r['reached']:.1f}% |")
+                     f"{100 * r['reached']:.1f}% | {100 * r['right_by_every_step']:.1f}% |")
     return "\n".join(lines) + "\n"
 
 
