@@ -24,7 +24,7 @@ from .benchmarks import PAPER_BENCHMARKS, Problem, default_repeats, load_problem
 from .generation import GenerationBackend, HFGenerateBackend, SamplingConfig, build_prompt
 from .metrics import cluster_answers, summarize
 from .report import write_reports
-from .worked_steps import worked_steps
+from .worked_steps import right_by_every_step, worked_steps
 
 BOXED = "\\boxed"  # an instruction that names it asks for boxed answers: their accuracy is the headline
 
@@ -267,10 +267,12 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
     summary = summarize(rows, seed=seed)
     # the headline: where the prompt asks for \boxed{}, the boxed answers alone (the lenient reading beside it)
     asks_boxed = instruction is None or BOXED in instruction
-    steps = worked_steps(texts, [p.solution for p in problems for _ in range(repeats)],
-                         right=[bool(s) for s in (boxed_scores if asks_boxed else scores)])
+    solutions = [p.solution for p in problems for _ in range(repeats)]
+    right = [bool(s) for s in (boxed_scores if asks_boxed else scores)]  # graded as the headline is
+    steps = worked_steps(texts, solutions, right)
     if steps is not None:  # every problem's worked solution states its equations: the word problems
         summary["worked_steps"] = steps
+        every = right_by_every_step(texts, solutions, right)
     summary["reward_stats"] = stats.as_dict()
     summary["prompts_too_long"] = len({r["problem_id"] for r in ordered if r["finish_reason"] == "prompt_too_long"})
     summary["prompts_truncated"] = len({r["problem_id"] for r in ordered if r.get("prompt_truncated")})
@@ -292,6 +294,9 @@ def score_benchmark(problems: list[Problem], records: list[dict], repeats: int, 
                                              if k != "best"},
                                "answers": answers[i * repeats:(i + 1) * repeats]}
                               for i, p in enumerate(problems)]
+    if steps is not None:
+        for i, p in enumerate(summary["per_problem"]):
+            p["right_by_every_step"] = sum(every[i * repeats:(i + 1) * repeats]) / repeats
     return summary
 
 

@@ -43,6 +43,9 @@ STAGE_OF_PATH = (("/grpo/final", "after GRPO"), ("/distill/final", "after distil
 # the training stages whose settings made each stage's model
 CHAIN = {"before training": (), "after alignment": ("align",), "after distillation": ("align", "distill"),
          "after GRPO": ("align", "distill", "grpo")}
+# each problem's readings an evaluation's summary keeps (``per_problem``), which runs pool and changes pair: the
+# lenient and the boxed accuracy, and on the word problems the share right by every step (eval/worked_steps.py)
+READINGS = ("accuracy", "boxed_accuracy", "right_by_every_step")
 
 
 @dataclass
@@ -259,14 +262,14 @@ def pooled_mean(draws: list[dict[str, float]]) -> float:
 
 
 def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
-    """One evaluation whose problems' accuracies (and boxed answers' accuracies) are the means over
-    ``evaluations``, on the problems all of them scored: what several draws of one variant gained on average, to
-    pair against the model they started from as one run is. The answers' mean length and boxed share are the
+    """One evaluation whose problems' readings (:data:`READINGS`) are the means over ``evaluations``, on the
+    problems all of them scored: what several draws of one variant gained on average, to pair against the model
+    they started from as one run is. The answers' mean length and boxed share are the
     draws' means, where every draw has them."""
     benchmarks = {}
     for benchmark in set.intersection(*(set(e.benchmarks) for e in evaluations)):
         problems: dict[str, dict] = {}
-        for reading in ("accuracy", "boxed_accuracy"):
+        for reading in READINGS:
             each = [e.accuracies(benchmark, reading) for e in evaluations]
             # in the first evaluation's order: the bootstrap resamples a list, and a set's order changes per process
             for key in [k for k in each[0] if all(k in a for a in each[1:])]:
@@ -471,7 +474,8 @@ def markdown(runs: list[Run]) -> str:
     for reading, title, only in (("boxed_accuracy", "change, boxed (headline)", None),
                                  ("boxed_accuracy", "change, boxed, answers > 10", "> 10"),
                                  ("accuracy", "change, lenient", None),
-                                 ("accuracy", "change, lenient, answers > 10", "> 10")):
+                                 ("accuracy", "change, lenient, answers > 10", "> 10"),
+                                 ("right_by_every_step", "change, right by every step", None)):
         changes = []
         for name, before, after in pairs:
             cells = [difference(within(before, b, sizes, only), within(after, b, sizes, only), b, reading)
@@ -505,7 +509,9 @@ def markdown(runs: list[Run]) -> str:
                   "change of a problem's accuracy, in points, with a paired bootstrap interval (runs and problems "
                   "resampled where a side pools runs); boxed where both evaluations kept each problem's boxed "
                   "answers' accuracy; answers > 10: only the problems whose answer is a number above 10, where a "
-                  "constant small answer or a number copied from the question rarely scores.", ""]
+                  "constant small answer or a number copied from the question rarely scores; right by every step: "
+                  "answered right having reached every step of the worked solution by a right equation, which no "
+                  "guess earns (eval/worked_steps.py; the word problems).", ""]
     lines += ["| run | GRPO steps | reward first -> last | generated tok/s (rollout) | recurrent state per sequence |",
               "|---|---|---|---|---|"]
     for run in runs:

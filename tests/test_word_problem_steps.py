@@ -73,3 +73,22 @@ def test_the_evaluation_reports_worked_steps_where_every_solution_states_them(tm
     files[0].write_text(json.dumps({"benchmark": "math500", "problem_id": "math500-0", "sample": 0, "text": ""}) + "\n")
     with pytest.raises(ValueError, match="math500: not every worked solution states its steps"):
         measure([str(files[0])])
+
+
+def test_compare_pairs_the_share_right_by_every_step_problem_by_problem(tmp_path):
+    """Each problem's share right by every step is kept in the summary, and compare gives its change between a run's
+    models: distilled, a right answer by skipped steps; after GRPO, the worked solution's steps."""
+    from eval.benchmarks import load_problems
+    from eval.report import write_reports
+    from pipeline.compare import markdown, read_run
+    from test_eval import scored
+
+    problem = load_problems("word_problems_val", limit=1)[0]
+    lucky = "Mia has 23+16=39. \\boxed{29}"  # right, two of seven steps
+    for stage, texts in (("distill", [lucky, PARTIAL]), ("grpo", [WORKED, lucky])):
+        summary = scored([problem], texts)
+        assert summary["per_problem"][0]["right_by_every_step"] == (0.5 if stage == "grpo" else 0.0)
+        write_reports({"benchmarks": {"word_problems_val": summary}, "model": f"{tmp_path}/run/{stage}/final [x]"},
+                      tmp_path / "run" / "eval" / stage)
+    text = markdown([read_run("run", tmp_path / "run")])
+    assert "| run: after distillation -> after GRPO | +50.0 (" in text.split("| change, right by every step |")[1]
