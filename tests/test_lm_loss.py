@@ -203,8 +203,9 @@ def test_the_kept_conversion_test_reads_as_a_cost_per_calculator_annotation(caps
 
 def test_the_kept_aime_scoring_reads_by_how_much_each_solution_repeats():
     """``benchmarks.pipeline.loss_by_copying`` on the kept AIME scoring: the distilled SSE-H's ratio to the
-    distilled Transformer rises with the share of a solution repeating earlier text (the table docs/real_model.md
-    quotes); a run of text repeated counts only from the given length."""
+    distilled Transformer rises with the share of a solution repeating earlier text (from the least- to the
+    most-repeating quarter, as docs/real_model.md quotes); a run of text repeated counts only from the given
+    length."""
     from pathlib import Path
 
     from benchmarks.pipeline.loss_by_copying import copied_share, main
