@@ -71,13 +71,16 @@ def worked_steps(completions: list[str], solutions: list[str | None], right: lis
     steps = {"equations": stated / len(rows), "arithmetic": sum(r["right"] for r in rows) / stated if stated else 0.0,
              "reached": sum(r["reached"] for r in rows) / len(rows)}
     if right is not None:
-        steps["right_by_every_step"] = sum(ok and r["reached"] == 1.0 for ok, r in zip(right, rows, strict=True)) \
-            / len(rows)
+        steps["right_by_every_step"] = sum(_every_step(rows, right)) / len(rows)
     return steps
 
 
 def right_by_every_step(completions: list[str], solutions: list[str], right: list[bool]) -> list[bool]:
     """Per completion (beside its worked solution and its grade): answered right having reached every worked step
     by a right equation; the evaluation keeps each problem's share, for compare's paired changes."""
-    return [ok and completion_steps(c, s)["reached"] == 1.0
-            for c, s, ok in zip(completions, solutions, right, strict=True)]
+    return _every_step([completion_steps(c, s) for c, s in zip(completions, solutions, strict=True)], right)
+
+
+def _every_step(rows: list[dict], right: list[bool]) -> list[bool]:
+    """Each completion's :func:`completion_steps` row and grade: right, and every worked step reached."""
+    return [ok and r["reached"] == 1.0 for ok, r in zip(right, rows, strict=True)]
