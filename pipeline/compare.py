@@ -629,14 +629,18 @@ def compare(entries: list[str], out: Path, reference: list[str] | None = None) -
     """``entries``: run folders, each optionally ``LABEL=FOLDER``; writes ``out/compare.md`` and ``out/compare.png``
     and returns the markdown file. ``reference``: labels of runs whose GRPO reward curves make a band that every
     other run is read against (:func:`reward_band`)."""
-    runs, seen = [], {}
+    runs, seen, named = [], {}, {}
     for entry in entries:
         label, _, folder = entry.partition("=") if "=" in entry else ("", "", entry)
+        label = label or Path(folder).name
         where = Path(folder).resolve()
         if where in seen:  # one run given twice would be pooled as two independent draws
             raise ValueError(f"{folder}: given twice (as {seen[where]} and {entry}); each run once")
-        seen[where] = entry
-        runs.append(read_run(label or Path(folder).name, Path(folder)))
+        if label in named:  # every row and change names its run by the label: two alike could not be told apart
+            raise ValueError(f"{entry}: the label {label!r} is {named[label]}'s too; give each run its own (runs of "
+                             f"one recipe are pooled by their recipes, not their labels)")
+        seen[where], named[label] = entry, entry
+        runs.append(read_run(label, Path(folder)))
     band = []
     if reference:
         labels = [run.label for run in runs]

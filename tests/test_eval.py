@@ -637,6 +637,9 @@ def test_keep_copies_what_compare_reads_and_no_weights_generations_or_answers(tm
     assert main(["keep", str(run), str(run / "kept")]) == 2 and "inside the run" in capsys.readouterr().err
     assert main(["compare", str(run), str(run), "--out", str(tmp_path / "cmp")]) == 2
     assert "given twice" in capsys.readouterr().err
+    # two runs under one label: every row would read alike
+    assert main(["compare", f"x={run}", f"x={dest}", "--out", str(tmp_path / "cmp")]) == 2
+    assert "the label 'x' is" in capsys.readouterr().err
     shutil.copytree(dest, run / "old-copy")  # a kept copy put inside a run by hand: not the run's own evaluation
     assert len(read_run("a", run).evaluations) == len(original.evaluations)
 
