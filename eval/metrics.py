@@ -116,23 +116,30 @@ def summarize(problems: list[dict], seed: int = 0) -> dict:
 
 
 def hierarchical_bootstrap(arms: list[list[dict[str, float]]], iterations: int = 2000,
-                           seed: int = 0) -> list[list[float]]:
+                           seed: int = 0, paired: bool = False) -> list[list[float]]:
     """Resamples the draws (independent training runs) of each arm and the problems they share: ``arms[a]`` holds arm
     ``a``'s draws, each problem id -> accuracy. Each iteration draws the problems once (shared by every arm: a
     comparison stays paired) and each arm's draws with replacement, and returns each arm's mean over them. With one
     draw per arm this is the problems' bootstrap; with several, the spread between runs widens the interval as it
-    should (resampling problems alone left it out)."""
+    should (resampling problems alone left it out). ``paired``: the arms are the same runs at two stages (draw ``i``
+    of each is one run's), so one draw of runs serves every arm and a run's own change is what varies."""
     import numpy as np
 
     shared = [k for k in arms[0][0] if all(k in d for arm in arms for d in arm)]
     if not shared:
         return []
+    if paired and len({len(arm) for arm in arms}) > 1:
+        raise ValueError(f"paired arms need as many draws each (one per run), got {[len(arm) for arm in arms]}")
     rng = np.random.default_rng(seed)
     tables = [np.array([[d[k] for k in shared] for d in arm]) for arm in arms]  # [draws, problems] per arm
     out = []
     for _ in range(iterations):
         problems = rng.integers(0, len(shared), len(shared))
-        out.append([float(t[rng.integers(0, len(t), len(t))][:, problems].mean()) for t in tables])
+        if paired:
+            runs = rng.integers(0, len(tables[0]), len(tables[0]))
+            out.append([float(t[runs][:, problems].mean()) for t in tables])
+        else:
+            out.append([float(t[rng.integers(0, len(t), len(t))][:, problems].mean()) for t in tables])
     return out
 
 

@@ -55,6 +55,9 @@ class Evaluation:
     model: str = ""  # the checkpoint it scored, with its fingerprint (the summary's ``model``)
     # a pool of independent runs (:func:`pooled`): each member evaluation, whose spread the intervals resample
     members: list["Evaluation"] = field(default_factory=list)
+    # the labels of the runs whose evaluations the members are, in order: two pools of the same runs (one arm's draws
+    # before and after a stage) pair each run with itself
+    runs: tuple[str, ...] = ()
 
     def accuracies(self, benchmark: str, reading: str = "accuracy") -> dict[str, float]:
         """Each problem's accuracy (id -> mean over its samples), where the summary kept them; ``reading``
@@ -237,18 +240,25 @@ def difference(before: Evaluation, after: Evaluation, benchmark: str,
     runs, the hierarchical bootstrap (runs and problems), so the runs' spread is in the interval."""
     if not (before.members or after.members):
         return paired_change(before.accuracies(benchmark, reading), after.accuracies(benchmark, reading))
-    samples = hierarchical_bootstrap([before.draws(benchmark, reading), after.draws(benchmark, reading)])
+    samples = hierarchical_bootstrap([before.draws(benchmark, reading), after.draws(benchmark, reading)],
+                                     paired=same_runs(before, after))
     if not samples:
         return None
     b, a = (pooled_mean(e.draws(benchmark, reading)) for e in (before, after))
     return (a - b, *percentile_interval([y - x for x, y in samples]))
 
 
+def same_runs(before: Evaluation, after: Evaluation) -> bool:
+    """Whether two pools hold the same runs in one order (an arm's draws at two stages), to resample as pairs."""
+    return bool(before.runs) and before.runs == after.runs and len(before.members) == len(after.members)
+
+
 def ratio(before: Evaluation, after: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
     """``after / before`` of two pools' mean accuracies, with its hierarchical bootstrap interval: a claim that one
     arm is at least a fraction of another reads this interval's lower bound."""
     samples = [(x, y) for x, y in hierarchical_bootstrap([before.draws(benchmark, reading),
-                                                           after.draws(benchmark, reading)]) if x > 0]
+                                                           after.draws(benchmark, reading)],
+                                                          paired=same_runs(before, after)) if x > 0]
     b, a = (pooled_mean(e.draws(benchmark, reading)) for e in (before, after))
     if not samples or not b:
         return None
@@ -261,7 +271,7 @@ def pooled_mean(draws: list[dict[str, float]]) -> float:
     return sum(d[k] for d in draws for k in shared) / (len(draws) * len(shared)) if shared else float("nan")
 
 
-def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
+def pooled(stage: str, evaluations: list[Evaluation], runs: tuple[str, ...] = ()) -> Evaluation:
     """One evaluation whose problems' readings (:data:`READINGS`) are the means over ``evaluations``, on the
     problems all of them scored: what several draws of one variant gained on average, to pair against the model
     they started from as one run is. The answers' mean length and boxed share are the
@@ -279,7 +289,7 @@ def pooled(stage: str, evaluations: list[Evaluation]) -> Evaluation:
             values = [e.benchmarks[benchmark].get(name) for e in evaluations]
             if None not in values:
                 benchmarks[benchmark][name] = sum(values) / len(values)
-    return Evaluation(stage, benchmarks, members=list(evaluations))
+    return Evaluation(stage, benchmarks, members=list(evaluations), runs=tuple(runs))
 
 
 def _signed(change: tuple[float, float, float] | None) -> str:
@@ -383,8 +393,26 @@ def arm_draws(runs: list[Run]) -> dict[tuple[str, str], tuple[list[str], Evaluat
             if e.stage in run.lineage:
                 members.setdefault((e.stage, run.lineage[e.stage]), []).append((run, e))
     members = {key: independent(m) for key, m in members.items()}
-    return {key: ([run.label for run, _ in m], pooled(key[0], [e for _, e in m])) for key, m in members.items()
-            if len(m) > 1}
+    return {key: ([run.label for run, _ in m], pooled(key[0], [e for _, e in m], runs=tuple(r.label for r, _ in m)))
+            for key, m in members.items() if len(m) > 1}
+
+
+def arm_changes(runs: list[Run], draws_of_arms: dict) -> list[tuple[str, Evaluation, Evaluation]]:
+    """Each pool of one arm's whole runs against the same runs' evaluations one stage earlier (each its own model:
+    GRPO's gain over the distillation it started from, over the arm's draws), paired run by run."""
+    by_label = {run.label: run for run in runs}
+    pairs = []
+    for (stage, _), (labels, after) in draws_of_arms.items():
+        earlier = []
+        for label in labels:
+            evaluations = by_label[label].evaluations
+            at = next(i for i, e in enumerate(evaluations) if e.stage == stage)
+            earlier.append(evaluations[at - 1] if at else None)
+        if None in earlier or len({e.stage for e in earlier}) > 1 or len({e.model for e in earlier}) == 1:
+            continue  # the runs' earlier stages differ, or one shared model: paired as a start elsewhere
+        before = pooled(earlier[0].stage, earlier, runs=tuple(labels))
+        pairs.append((f"mean of {', '.join(labels)}: {before.stage} -> {stage}", before, after))
+    return pairs
 
 
 def first_arm_pool(first: Run, stage: str, key: str, draws_of_arms: dict) -> str | None:
@@ -460,6 +488,7 @@ def markdown(runs: list[Run]) -> str:
             labels = ", ".join(run.label for run, _ in members)
             pairs.append((f"mean of {labels}: {start[0].label}, {start[1].stage} -> {stage}", start[1],
                           pooled(stage, [e for _, e in members])))
+    pairs += arm_changes(runs, draws_of_arms)
     # draws of one arm against the draws of the first run's arm, at the same stage (and as a ratio)
     ratios = []
     for (stage, key), (labels, e) in draws_of_arms.items():
@@ -504,10 +533,11 @@ def markdown(runs: list[Run]) -> str:
         lines += ["Each stage's model against the one before it, each run against the first at the same stage, "
                   "a run started from another run's model against that model, one model evaluated with other "
                   "settings against itself, the mean of runs that differ in "
-                  "the seed alone against the model they started from, and the mean of runs of one recipe "
-                  "against the first run's arm's draws of the most alike settings, on the same problems: the mean "
-                  "change of a problem's accuracy, in points, with a paired bootstrap interval (runs and problems "
-                  "resampled where a side pools runs); boxed where both evaluations kept each problem's boxed "
+                  "the seed alone against the model they started from, the mean of runs of one recipe against "
+                  "the same runs one stage earlier, and against the first run's arm's draws of the most alike "
+                  "settings, on the same problems: the mean change of a problem's accuracy, in points, with a paired "
+                  "bootstrap interval (runs and problems resampled where a side pools runs, a run with itself where "
+                  "both sides pool the same runs); boxed where both evaluations kept each problem's boxed "
                   "answers' accuracy; answers > 10: only the problems whose answer is a number above 10, where a "
                   "constant small answer or a number copied from the question rarely scores; right by every step: "
                   "answered right having reached every step of the worked solution by a right equation, which no "

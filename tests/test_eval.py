@@ -533,6 +533,40 @@ def test_compare_pools_whole_runs_whose_recipes_name_a_relative_output_dir(tmp_p
     assert pooled_rows == {"| mean of a, b, d, after distillation"}, text
 
 
+def test_compare_pairs_an_arms_draws_with_the_same_runs_one_stage_earlier(tmp_path):
+    """GRPO's gain over an arm's whole runs (each from its own distilled model): the pool after GRPO against the same
+    runs after distillation, each run resampled with itself. Two runs whose levels differ by 50 points, each gaining
+    exactly 25 on every problem: the gain is 25 in every resample, where resampling the runs apart would have put
+    the runs' spread in it (about -25 to +75)."""
+    import yaml
+
+    from eval.metrics import hierarchical_bootstrap, summarize
+    from eval.report import write_reports
+    from pipeline.compare import markdown, read_run
+
+    def run(name, seed, level):
+        folder, models = tmp_path / name, {}
+        for stage, where, gain in (("distill", "eval/distill", 0.0), ("grpo", "eval", 0.25)):
+            models[stage] = f"/work/repo/runs/sse/{stage}/final [{name}{stage}]"
+            right = [round(4 * (level + gain + 0.25 * (i % 2))) for i in range(40)]  # of 4 samples
+            gsm8k = summarize([{"correct": [j < r for j in range(4)], "clusters": [0] * 4, "lengths": [10] * 4,
+                                "truncated": [False] * 4} for r in right])
+            gsm8k["per_problem"] = [{"id": f"p{i}", "accuracy": r / 4} for i, r in enumerate(right)]
+            write_reports({"benchmarks": {"gsm8k": gsm8k}, "model": models[stage]}, folder / where)
+        for stage, start in (("distill", f"/work/repo/runs/sse/align/final [{name}a]"), ("grpo", models["distill"])):
+            (folder / stage).mkdir(parents=True)
+            (folder / stage / "started_from.json").write_text(json.dumps({"model": start}))
+        (folder / "recipe.yaml").write_text(yaml.safe_dump({
+            "seed": seed, "output_dir": "runs/sse", "model": {"mixer": "sse"}, "align": {"steps": 300},
+            "distill": {"epochs": 4}, "grpo": {"steps": 10}, "eval": {"repeats": 1, "models": ["last", "distill"]}}))
+
+    run("a", 0, 0.0), run("b", 1, 0.5)
+    text = markdown([read_run(n, tmp_path / n) for n in "ab"])
+    assert "| mean of a, b: after distillation -> after GRPO | +25.0 (+25.0 to +25.0) |" in text, text
+    with pytest.raises(ValueError, match="as many draws each"):
+        hierarchical_bootstrap([[{"p": 0.0}], [{"p": 0.0}, {"p": 1.0}]], paired=True)
+
+
 def test_reports_are_written_whole_and_readable_by_the_other_users(tmp_path):
     """atomic_write renames a finished temporary file over the report, and the report gets the mode an ordinary
     write would: other users of a shared cluster read summaries and tables (mkstemp's files are the owner's alone)."""
