@@ -849,16 +849,21 @@ def test_t_quantiles_and_a_prediction_interval_hold_a_new_draw_95_percent_of_the
     assert 0.935 < hits / 4000 < 0.965
 
 
-def test_the_kept_grpo_data_sweep_reads_as_docs_real_model_says(tmp_path):
-    """``compare`` on the kept validation sweep (docs/runs/2026-11-29c-grpo-data-validation): GRPO on 1-3-step
-    problems lifts the four-event stories' answers above 10, the other two variants stay within reach of zero."""
+def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
+    """``compare`` on the kept validation runs (docs/runs/2026-11-29c-grpo-data-validation, 2026-12-02-grpo-lr-
+    validation): GRPO on 1-3-step problems lifts the four-event stories' answers above 10 at either learning rate,
+    over two seeds each, and the rates' difference stays within reach of zero."""
     from pipeline.cli import main
 
-    kept = Path(__file__).parents[1] / "docs" / "runs" / "2026-11-29c-grpo-data-validation"
-    assert main(["compare", f"wp3k={kept / 'wp3k'}", f"wp12k={kept / 'wp12k'}", f"g13={kept / 'wp12k-g13'}",
-                 "--out", str(tmp_path)]) == 0
+    docs = Path(__file__).parents[1] / "docs" / "runs"
+    data, rate = docs / "2026-11-29c-grpo-data-validation", docs / "2026-12-02-grpo-lr-validation"
+    assert main(["compare", f"lr1-s0={data / 'wp12k-g13'}", f"lr1-s1={rate / 's1'}", f"lr2-s0={rate / 'lr2'}",
+                 f"lr2-s1={rate / 'lr2-s1'}", f"wp12k={data / 'wp12k'}", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "compare.md").read_text()
+    assert "| lr1-s0, after GRPO | 5.8 (4.5-7.1) boxed" in text and "baseline first number: 1.2 **not beaten**" in text
+    assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.5 (4.3-11.2) boxed" in text
     above_10 = text[text.index("| change, boxed, answers > 10"):]
-    assert "| g13: after distillation -> after GRPO | +5.1 (+3.7 to +6.5) |" in above_10
     assert "| wp12k: after distillation -> after GRPO | +0.4 (-0.1 to +0.9) |" in above_10
-    assert "| g13, after GRPO | 5.8 (4.5-7.1) boxed" in text and "baseline first number: 1.2 **not beaten**" in text
+    assert "| mean of lr1-s0, lr1-s1: after distillation -> after GRPO | +4.7 (+3.3 to +6.2) |" in above_10
+    assert "| mean of lr2-s0, lr2-s1: after distillation -> after GRPO | +7.2 (+3.9 to +11.1) |" in above_10
+    assert "| mean of lr2-s0, lr2-s1 - mean of lr1-s0, lr1-s1, after GRPO | +2.5 (-1.0 to +6.4) |" in above_10
