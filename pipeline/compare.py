@@ -32,7 +32,7 @@ import yaml
 
 from common.files import atomic_write, read_text
 from eval.metrics import bootstrap_ci, hierarchical_bootstrap, percentile_interval, prediction_interval
-from eval.report import accuracy, accuracy_cell, answer_style, percent_ci
+from eval.report import accuracy, accuracy_cell, answer_style, boxed_headline, percent_ci
 
 from .metrics import first_last_means, moving_average, read_metrics
 from .recipe import stage_settings
@@ -307,8 +307,65 @@ def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
             samples = hierarchical_bootstrap([draws])
             cells.append(percent_ci((pooled_mean(draws), *percentile_interval([m for (m,) in samples]))))
     if len(cells) == 2:
-        return f"{cells[0]} boxed{answer_style(evaluation.benchmarks[benchmark])} ({cells[1]} lenient)"
-    return (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
+        cell = f"{cells[0]} boxed{answer_style(evaluation.benchmarks[benchmark])} ({cells[1]} lenient)"
+    else:
+        cell = (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
+    return cell + pooled_baseline(evaluation, benchmark)
+
+
+def pooled_baseline(evaluation: Evaluation, benchmark: str) -> str:
+    """A pool's best trivial baseline, as a run's cell gives it: marked unless the pool's interval over runs and
+    problems clears it (the members' summaries name it; nothing where they predate baselines)."""
+    member = next((e.benchmarks[benchmark] for e in evaluation.members if "baselines" in e.benchmarks[benchmark]),
+                  None)
+    if member is None:
+        return ""
+    level = stratum_level(evaluation, benchmark, "boxed_accuracy" if boxed_headline(member) else "accuracy")
+    best = member["baselines"]["best"]
+    guess = member["baselines"][best].get("answer")
+    what = f"{best} ({guess})" if guess is not None else best
+    beaten = level is not None and level[1] > member["baselines"][best]["accuracy"]
+    return f"; baseline {what}: {100 * member['baselines'][best]['accuracy']:.1f}{'' if beaten else ' **not beaten**'}"
+
+
+def stratum_level(evaluation: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
+    """An evaluation's mean accuracy with its 95% interval: over its runs and problems for a pool, over the problems
+    for one run (:func:`~eval.metrics.hierarchical_bootstrap` either way)."""
+    draws = evaluation.draws(benchmark, reading)
+    if not all(draws):
+        return None
+    samples = hierarchical_bootstrap([draws])
+    return (pooled_mean(draws), *percentile_interval([m for (m,) in samples])) if samples else None
+
+
+def level_table(rows: list[tuple[str, Evaluation]], benchmarks: list[str], sizes: dict, stratum: str) -> list[str]:
+    """Each model's headline accuracy on the problems of one answer-size stratum, beside that stratum's share for
+    the benchmark's best trivial baseline and the multiple of it the model reaches: where a goal asks for a multiple
+    of what a guess scores, on the answers a guess rarely finds."""
+    body = []
+    for name, e in rows:
+        cells = []
+        for b in benchmarks:
+            summaries = [m.benchmarks[b] for m in (e.members or [e]) if b in m.benchmarks]
+            if not summaries or not sizes.get(b):
+                cells.append("")
+                continue
+            reading = "boxed_accuracy" if boxed_headline(summaries[0]) else "accuracy"
+            level = stratum_level(within(e, b, sizes, stratum), b, reading)
+            base = next((m["by_answer_size"][stratum]["best_baseline"] for m in summaries
+                         if stratum in m.get("by_answer_size", {})), None)
+            cell = "" if level is None else percent_ci(level)
+            if cell and base:
+                cell += f"; {level[0] / base:.1f}x the baseline's {100 * base:.1f}"
+            cells.append(cell)
+        if any(cells):
+            body.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not body:
+        return []
+    return [f"| headline accuracy, answers {stratum} | " + " | ".join(f"{b} (95% CI)" for b in benchmarks) + " |",
+            "|---|" + "---|" * len(benchmarks), *body, "",
+            f"Accuracy in % on the problems whose answer is a number {stratum} alone (boxed answers where the prompt "
+            "asks for a box); the baseline: the benchmark's best trivial baseline on these problems.", ""]
 
 
 def answer_sizes(runs: list[Run], benchmarks: list[str]) -> dict[str, dict[str, str]]:
@@ -500,6 +557,9 @@ def markdown(runs: list[Run]) -> str:
     lines += baseline_table(runs, benchmarks)
     tables = 0
     sizes = answer_sizes(runs, benchmarks)
+    lines += level_table([(f"{run.label}, {e.stage}", e) for run in runs for e in run.evaluations]
+                         + [(f"mean of {', '.join(labels)}, {stage}", e)
+                            for (stage, _), (labels, e) in draws_of_arms.items()], benchmarks, sizes, "> 10")
     for reading, title, only in (("boxed_accuracy", "change, boxed (headline)", None),
                                  ("boxed_accuracy", "change, boxed, answers > 10", "> 10"),
                                  ("accuracy", "change, lenient", None),

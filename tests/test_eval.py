@@ -862,6 +862,13 @@ def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
     text = (tmp_path / "compare.md").read_text()
     assert "| lr1-s0, after GRPO | 5.8 (4.5-7.1) boxed" in text and "baseline first number: 1.2 **not beaten**" in text
     assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.5 (4.3-11.2) boxed" in text
+    # a pool's cell is marked as a run's is, by its interval over runs and problems
+    assert "| mean of lr1-s0, lr1-s1, after distillation | 0.3 (0.1-0.5) boxed" in text
+    assert [line.endswith("baseline first number: 1.2 **not beaten** |") for line in text.splitlines()
+            if line.startswith("| mean of") and "boxed," in line] == [True, False, False]
+    # the level on answers above 10, as a multiple of what the best guess scores there (the goal's 5x)
+    assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.4 (4.1-11.2); 5.6x the baseline's 1.3 |" in text
+    assert "| lr1-s0, after GRPO | 5.4 (4.1-6.8); 4.0x the baseline's 1.3 |" in text
     above_10 = text[text.index("| change, boxed, answers > 10"):]
     assert "| wp12k: after distillation -> after GRPO | +0.4 (-0.1 to +0.9) |" in above_10
     assert "| mean of lr1-s0, lr1-s1: after distillation -> after GRPO | +4.7 (+3.3 to +6.2) |" in above_10
