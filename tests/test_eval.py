@@ -63,6 +63,26 @@ def scored(problems, texts, repeats=2):
         verifier.close()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 500, 1319])
+def test_the_bootstrap_interval_is_the_plain_loops_exactly(n):
+    """bootstrap_ci draws in bulk what a loop over ``random.Random(seed).randrange(n)`` draws one by one, and sums
+    each resample in the loop's order: the same interval to the last bit (kept intervals in docs/ stay true), also
+    where the draws span several blocks (the rejected tries carried from one block to the next)."""
+    import random
+
+    from eval.metrics import percentile_interval, randrange_blocks
+
+    values = [random.Random(n).choice([0.0, 0.25, 0.5, 0.75, 1.0]) * random.Random(i).random() for i in range(n)]
+    for seed in (0, 3):
+        rng = random.Random(seed)
+        loop = [sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(300)]
+        assert bootstrap_ci(values, iterations=300, seed=seed) == percentile_interval(loop)
+        rng = random.Random(seed)
+        blocks = list(randrange_blocks(seed, n, 300, block_values=max(1, 5 * n // 2)))
+        assert len(blocks) > 1 and [r.tolist() for b in blocks for r in b] == \
+            [[rng.randrange(n) for _ in range(n)] for _ in range(300)]
+
+
 def test_the_summary_counts_answers_given_in_a_box():
     """A model whose text has no box is scored by the last stated answer; ``boxed_rate`` says how many answers came
     in the asked format and ``boxed_avg@n`` how many were right and boxed, and the report shows both."""
