@@ -32,7 +32,7 @@ import yaml
 
 from common.files import atomic_write, read_text
 from eval.metrics import bootstrap_ci, hierarchical_bootstrap, percentile_interval, prediction_interval
-from eval.report import accuracy, accuracy_cell, answer_style, boxed_headline, percent_ci
+from eval.report import accuracy, accuracy_cell, answer_style, baseline_cell, boxed_headline, percent_ci
 
 from .metrics import first_last_means, moving_average, read_metrics
 from .recipe import stage_settings
@@ -298,37 +298,23 @@ def _signed(change: tuple[float, float, float] | None) -> str:
 
 def pooled_cell(evaluation: Evaluation, benchmark: str) -> str:
     """A pooled evaluation's table cell, in %: the mean over its runs and problems with a 95% interval from resampling
-    both (:func:`~eval.metrics.hierarchical_bootstrap`), the answers' style (as a run's cell has it) and the boxed
-    answers' accuracy alone where every draw counted them."""
-    cells = []
-    for reading in ("boxed_accuracy", "accuracy"):
-        draws = evaluation.draws(benchmark, reading)
-        if all(draws):
-            samples = hierarchical_bootstrap([draws])
-            cells.append(percent_ci((pooled_mean(draws), *percentile_interval([m for (m,) in samples]))))
-    if len(cells) == 2:
-        cell = f"{cells[0]} boxed{answer_style(evaluation.benchmarks[benchmark])} ({cells[1]} lenient)"
-    else:
-        cell = (cells[0] if cells else "") + answer_style(evaluation.benchmarks[benchmark])
-    return cell + pooled_baseline(evaluation, benchmark)
-
-
-def pooled_baseline(evaluation: Evaluation, benchmark: str) -> str:
-    """A pool's best trivial baseline, as a run's cell gives it: marked unless the pool's interval over runs and
-    problems clears it (the members' summaries name it; nothing where they predate baselines)."""
+    both (:func:`~eval.metrics.hierarchical_bootstrap`), the answers' style (as a run's cell has it), the boxed
+    answers' accuracy alone where every draw counted them, and the best trivial baseline, marked unless the headline's
+    interval clears it (as :func:`~eval.report.baseline_cell` marks a run's)."""
+    levels = {reading: mean_interval(evaluation, benchmark, reading) for reading in ("boxed_accuracy", "accuracy")}
+    cells = [percent_ci(level) for level in levels.values() if level is not None]
+    style = answer_style(evaluation.benchmarks[benchmark])
+    cell = f"{cells[0]} boxed{style} ({cells[1]} lenient)" if len(cells) == 2 else (cells[0] if cells else "") + style
     member = next((e.benchmarks[benchmark] for e in evaluation.members if "baselines" in e.benchmarks[benchmark]),
                   None)
-    if member is None:
-        return ""
-    level = stratum_level(evaluation, benchmark, "boxed_accuracy" if boxed_headline(member) else "accuracy")
-    best = member["baselines"]["best"]
-    guess = member["baselines"][best].get("answer")
-    what = f"{best} ({guess})" if guess is not None else best
-    beaten = level is not None and level[1] > member["baselines"][best]["accuracy"]
-    return f"; baseline {what}: {100 * member['baselines'][best]['accuracy']:.1f}{'' if beaten else ' **not beaten**'}"
+    if member is None:  # summaries from before baselines were counted
+        return cell
+    level = levels["boxed_accuracy" if boxed_headline(member) else "accuracy"]
+    beaten = level is not None and level[1] > member["baselines"][member["baselines"]["best"]]["accuracy"]
+    return cell + f"; baseline {baseline_cell({**member, 'beats_baseline': beaten})}"
 
 
-def stratum_level(evaluation: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
+def mean_interval(evaluation: Evaluation, benchmark: str, reading: str) -> tuple[float, float, float] | None:
     """An evaluation's mean accuracy with its 95% interval: over its runs and problems for a pool, over the problems
     for one run (:func:`~eval.metrics.hierarchical_bootstrap` either way)."""
     draws = evaluation.draws(benchmark, reading)
@@ -351,7 +337,7 @@ def level_table(rows: list[tuple[str, Evaluation]], benchmarks: list[str], sizes
                 cells.append("")
                 continue
             reading = "boxed_accuracy" if boxed_headline(summaries[0]) else "accuracy"
-            level = stratum_level(within(e, b, sizes, stratum), b, reading)
+            level = mean_interval(within(e, b, sizes, stratum), b, reading)
             base = next((m["by_answer_size"][stratum]["best_baseline"] for m in summaries
                          if stratum in m.get("by_answer_size", {})), None)
             cell = "" if level is None else percent_ci(level)
