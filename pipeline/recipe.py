@@ -263,6 +263,8 @@ class GRPOStageConfig:
     epsilon: float = bounded(0.2, gt=0)
     epsilon_high: float | None = bounded(0.28, gt=0)
     beta: float = bounded(0.0, ge=0)
+    # truncated completions unscored and out of the loss (DAPO's overlong filtering); with the overlong penalty on it
+    # must be false: the penalty is for the long ones, and masked, running past the limit would escape it
     mask_truncated_completions: bool = True
     # weight of the SSE partition-balance loss in GRPO's loss; None: the model's aux_loss_coef (the paper's 0.01), as
     # in distillation. Its gradient reaches every layer below the routers, and a policy gradient from few
@@ -345,6 +347,12 @@ class GRPOStageConfig:
             fail("grpo.rewards.overlong_cache", f"the penalty ramps over the last overlong_cache tokens of "
                  f"grpo.max_completion_length ({self.max_completion_length}): need 0 < overlong_cache <= it, got "
                  f"{r.overlong_cache}")
+        if self.enabled and r.overlong and self.mask_truncated_completions:
+            fail("grpo.mask_truncated_completions", "true beside grpo.rewards.overlong > 0 rewards running past "
+                 "the limit: the penalty lowers a completion that ends in the last overlong_cache tokens, while one "
+                 "cut at grpo.max_completion_length is unscored and out of the loss, so ending late is punished and "
+                 "never ending is not (DAPO's punishment gives it -1). Set grpo.mask_truncated_completions: false "
+                 "(the cut ones scored -1 and trained on), or grpo.rewards.overlong: 0")
         if self.dynamic_sampling and self.loss_type != "dapo":
             # a batch still short after max_sampling_rounds is filled with groups masked out of the loss; dapo divides
             # by the batch's real tokens, the others by rows or per micro-batch, where the filler shrinks the step

@@ -123,15 +123,15 @@ def grpo_trainer(tmp_path, groups: list[list[str]], overrides, prompts: int = 1)
 
 
 def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path, caplog):
-    """The paper recipe's setting (overlong penalty on, truncated completions masked): a group of 8 with 1 right, 3
-    wrong and 4 cut at the length limit. The truncated rows get advantage 0 and the advantages of the rows in the
-    loss sum to zero; scored, the truncated rows' -1 dragged the baseline down and gave the wrong answers +0.50.
-    TRL's warning about rows without a reward (a whole prompt and completion per batch) stays out of the log."""
+    """Truncated completions masked (DAPO's overlong filtering, the accuracy reward alone): a group of 8 with 1 right,
+    3 wrong and 4 cut at the length limit. The truncated rows get advantage 0 and the advantages of the rows in the
+    loss sum to zero; scored while out of the loss, the cut rows set the group's baseline and the advantages left in
+    the loss no longer summed to zero. TRL's warning about rows without a reward (a whole prompt and completion per
+    batch) stays out of the log."""
     right, wrong, cut = "So \\boxed{2}", "So \\boxed{4}", "so so so ..."
     trainer, inputs = grpo_trainer(tmp_path, [[right, wrong, wrong, wrong, cut, cut, cut, cut]], [
-        "grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0", "grpo.rewards.overlong_cache=16",
-        "grpo.rewards.format=0.0", "grpo.dynamic_sampling=false", "grpo.importance_sampling=none",
-        "grpo.max_completion_length=16"])
+        "grpo.mask_truncated_completions=true", "grpo.rewards.format=0.0", "grpo.dynamic_sampling=false",
+        "grpo.importance_sampling=none", "grpo.max_completion_length=16"])
     with caplog.at_level("WARNING"):
         batch = trainer._generate_and_score_completions(inputs)
     assert not [r for r in caplog.records if "returned None" in r.getMessage()]
@@ -140,6 +140,23 @@ def test_truncated_rows_stay_out_of_the_group_statistics(tmp_path, caplog):
     assert advantages[4:].abs().max() == 0
     assert abs(float(advantages[in_loss].sum())) < 1e-5
     assert advantages[0] > 0 and (advantages[1:4] < 0).all()
+
+
+def test_a_cut_completion_under_the_overlong_penalty_ranks_below_a_wrong_one_and_is_trained_on(tmp_path):
+    """The recipes' setting (overlong penalty on, truncated completions scored): in a group of 1 right, 3 wrong and
+    4 cut, every cut row is in the loss with the lowest advantage. Masked, as the smollm2 recipes once had them, a
+    cut row had advantage 0, above a wrong answer that ended late, so running past the limit escaped the penalty
+    (the recipe now refuses that combination)."""
+    right, wrong, cut = "So \\boxed{2}", "So \\boxed{4}", "so so so ..."
+    trainer, inputs = grpo_trainer(tmp_path, [[right, wrong, wrong, wrong, cut, cut, cut, cut]], [
+        "grpo.mask_truncated_completions=false", "grpo.rewards.overlong=1.0", "grpo.rewards.overlong_cache=8",
+        "grpo.rewards.format=0.0", "grpo.dynamic_sampling=false", "grpo.importance_sampling=none",
+        "grpo.max_completion_length=16"])
+    batch = trainer._generate_and_score_completions(inputs)
+    advantages, in_loss = batch["advantages"], batch["completion_mask"].sum(1) > 0
+    assert in_loss.all()
+    assert advantages[0] > advantages[1:4].max() and advantages[1:4].min() > advantages[4:].max()
+    assert abs(float(advantages.sum())) < 1e-5
 
 
 def test_data_parallel_workers_sample_with_their_own_seeds(tmp_path, monkeypatch):
