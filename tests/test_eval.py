@@ -894,3 +894,24 @@ def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
     assert "| mean of lr1-s0, lr1-s1: after distillation -> after GRPO | +4.7 (+3.3 to +6.2) |" in above_10
     assert "| mean of lr2-s0, lr2-s1: after distillation -> after GRPO | +7.2 (+3.9 to +11.1) |" in above_10
     assert "| mean of lr2-s0, lr2-s1 - mean of lr1-s0, lr1-s1, after GRPO | +2.5 (-1.0 to +6.4) |" in above_10
+
+
+def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
+    """``compare`` on the Transformer arm's frozen test runs (docs/runs/2026-12-02b-frozen-transformer): seed 2 learns
+    on the test stories' answers above 10, seed 3 does not, and over both the interval reaches below zero (the goal
+    unmet); on GSM8K both rise there, in part by boxing (the lenient change's interval holds zero)."""
+    from pipeline.cli import main
+
+    runs = Path(__file__).parents[1] / "docs" / "runs" / "2026-12-02b-frozen-transformer"
+    assert main(["compare", f"v2={runs / 'v2'}", f"v3={runs / 'v3'}", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    assert "| mean of v2, v3, after GRPO | 3.0 (0.2-6.7) boxed" in text
+    assert "| mean of v2, v3, after GRPO | 3.1 (0.2-6.9); 2.3x the baseline's 1.3 | 2.8 (0.2-6.2); 6.4x the " \
+           "baseline's 0.4 | 2.5 (1.3-4.0) | 0.8 (0.3-1.7) |" in text
+    boxed = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
+    assert "| v2: after distillation -> after GRPO | +5.6 (+4.1 to +7.3) | +5.1 (+4.0 to +6.2) |" in boxed
+    assert "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.6) | +2.6 (-0.1 to +5.9) | " \
+           "+1.6 (+0.3 to +3.0) | +0.6 (-0.1 to +1.5) |" in boxed
+    lenient = text[text.index("| change, lenient, answers > 10"):]
+    assert "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.4) | +2.5 (-0.1 to +5.7) | " \
+           "+0.9 (-0.4 to +2.3) |" in lenient
