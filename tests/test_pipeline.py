@@ -143,6 +143,7 @@ def test_grpo_resumes_after_sigkill(distilled, tmp_path):
     _, checkpoint = distilled
     steps = 4  # killed after checkpoint 2, resumed to 4
     cmd = [sys.executable, "-m", "pipeline.cli", "grpo", "demo", *_grpo_overrides(tmp_path, steps),
+           "grpo.prompts_per_batch=2", "grpo.num_generations=4", "grpo.max_completion_length=24",
            "--checkpoint", str(checkpoint)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ckpt_dir = tmp_path / "grpo" / "checkpoints"
