@@ -62,7 +62,7 @@ def test_grpo_learns_the_answer_format(distilled, tmp_path):
     from pipeline.run import run_recipe
 
     _, checkpoint = distilled
-    recipe = load_recipe("demo", _grpo_overrides(tmp_path, 16))
+    recipe = load_recipe("demo", [*_grpo_overrides(tmp_path, 16), "grpo.prompts_per_batch=4"])
     run_recipe(recipe, ("grpo",), checkpoint=str(checkpoint))
     rewards = [r["reward"] for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "reward" in r]
     assert len(rewards) == 16
