@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="GSM8K solutions as distillation's rows have them (calculator annotations removed, the "
                            "closing '#### N' as 'The answer is \\boxed{N}.'): gsm8k_test in gsm8k_train's format")
     loss.add_argument("--recipe", default=None, help="take the prompt instruction from this recipe")
+    loss.add_argument("--unigram", action="store_true", help="add the trivial baseline: every token predicted from "
+                      "the frequencies of the tokens in the recipe's distillation rows (reads nothing)")
     loss.add_argument("--scored", nargs="+", default=[], metavar="JSON",
                       help="results an earlier --out wrote (its .json), pooled as draws before the models scored now "
                            "(same --data, --split, --first, --as-trained)")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(loss_main(args.models, args.data, args.first, args.recipe, args.device, args.out, args.split,
-                            args.as_trained, args.scored, args.solution_field))
+                            args.as_trained, args.scored, args.solution_field, args.unigram))
         except (OSError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

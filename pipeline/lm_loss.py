@@ -10,6 +10,8 @@ A model given as ``LABEL=PATH`` joins the arm ``LABEL``; several paths under one
 with a 95% interval that resamples each arm's draws and the records (``eval.metrics.hierarchical_bootstrap``).
 ``--scored`` pools what earlier ``--out`` runs wrote (their ``.json``: every record's loss) with the models scored
 now, so the draws of an arm may come from several sessions or machines.
+``--unigram`` adds the row of a model that reads nothing (:func:`unigram_loss`: the frequencies of the tokens in
+``--recipe``'s distillation rows), the table's trivial baseline.
 ``--as-trained`` scores GSM8K solutions as distillation's rows have them (``pipeline.data.gsm8k_as_trained``): the
 same text without the calculator markup that no training row shows.
 
@@ -192,6 +194,25 @@ def completion_loss(model, tokenizer, dataset, device: torch.device, name: str =
     return LossResult(name, sum(sums) / max(count, 1), correct / max(count, 1), count, len(dataset), sums, tokens)
 
 
+def unigram_loss(tokenizer, train, dataset, name: str = "unigram") -> LossResult:
+    """The loss of a model that reads nothing: every solution token predicted from the frequencies of the tokens in
+    ``train``'s solutions (add-one smoothed over the vocabulary), formatted as ``dataset``'s are; the trivial
+    baseline of a loss table. Its top-1 prediction is the commonest token."""
+    counts = torch.zeros(len(tokenizer), dtype=torch.float64)
+    for ids, start in (encode(tokenizer, row) for row in train):
+        counts += torch.bincount(torch.tensor(ids[start:]), minlength=len(counts)).double()
+    log_p = ((counts + 1) / (counts.sum() + len(counts))).log()
+    top = int(counts.argmax())
+    sums, tokens, correct = [], [], 0
+    for ids, start in (encode(tokenizer, row) for row in dataset):
+        target = torch.tensor(ids[start:])
+        sums.append(-float(log_p[target].sum()))
+        tokens.append(len(target))
+        correct += int((target == top).sum())
+    count = sum(tokens)
+    return LossResult(name, sum(sums) / max(count, 1), correct / max(count, 1), count, len(dataset), sums, tokens)
+
+
 def markdown(arms: list[Arm], ratios: bool) -> str:
     """A row per arm; with ``ratios`` (one tokenizer, a finite reference) each arm's loss over the first arm's."""
     head = "| model | draws | loss (nats/token) | top-1 accuracy | tokens | records |" + (
@@ -242,7 +263,7 @@ def parse_model(argument: str) -> tuple[str, str]:
 
 def main(models: list[str], data: str, first: int, recipe_name: str | None, device: str, out: str | None,
          split: str = "train", as_trained: bool = False, scored_files: list[str] = (),
-         solution_field: str = "solution") -> str:
+         solution_field: str = "solution", unigram: bool = False) -> str:
     from .data import gsm8k_as_trained, sft_dataset
     from .models import load_tokenizer, local_model, resolve_device
     from .recipe import DataSpec, Recipe, load_recipe
@@ -266,7 +287,9 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
     # the earlier scorings first (in the order given), each checked before any model loads
     results = [r for path in scored_files
                for r in load_scored(path, data, split, as_trained, len(dataset), solution_field)]
-    if not results and not models:
+    if unigram and not recipe_name:
+        raise ValueError("--unigram counts the tokens of a recipe's distillation rows: name the recipe (--recipe)")
+    if not results and not models and not unigram:
         raise ValueError("no model to score and no --scored results")
     where = resolve_device(device)
     named = [(label, name, local_model(name)) for label, name in map(parse_model, models)]  # all before loading
@@ -280,6 +303,13 @@ def main(models: list[str], data: str, first: int, recipe_name: str | None, devi
         result.label, result.vocabulary = label, vocabulary_digest(tokenizer)
         results.append(result)
         del model
+    if unigram:  # read with the recipe's tokenizer, the rows formatted as the scored records are
+        spec = recipe.distill.data
+        tokenizer = load_tokenizer(recipe.model.tokenizer, recipe.model.convert_from or recipe.model.path)
+        result = unigram_loss(tokenizer, sft_dataset(spec, recipe.prompt_instruction), dataset,
+                              f"unigram of {recipe.name}'s distillation rows")
+        result.label, result.vocabulary = "tokens' frequencies (no reading)", vocabulary_digest(tokenizer)
+        results.append(result)
     arms = group(results)
     # losses per token compare only over one tokenizer's tokens (a result saved before digests were kept: its
     # token count, which group() holds equal within an arm, stands for it)

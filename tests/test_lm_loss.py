@@ -218,3 +218,41 @@ def test_the_kept_aime_scoring_reads_by_how_much_each_solution_repeats():
     column = lines[0].index("SSE-H-distilled x")  # x the distilled Transformer
     ratios = [float(r[column]) for r in lines[1:]]  # by copied share, least first
     assert ratios == sorted(ratios) and (ratios[0], ratios[-1]) == (1.39, 1.73)
+
+
+def test_the_unigram_baseline_is_the_training_tokens_frequencies_add_one_smoothed():
+    """The row of a model that reads nothing: each solution token's -log of its add-one smoothed frequency among
+    the training rows' solution tokens; top-1, the commonest of them. Checked against the sum written out."""
+    import math
+    from collections import Counter
+
+    from pipeline.data import sft_dataset
+    from pipeline.lm_loss import encode, unigram_loss
+    from pipeline.recipe import DataSpec
+    from pipeline.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    train = sft_dataset(DataSpec(source="builtin:arithmetic?terms=2", max_samples=40, seed=1))
+    scored = sft_dataset(DataSpec(source="builtin:arithmetic?terms=3", max_samples=7, seed=2))
+    result = unigram_loss(tokenizer, train, scored)
+    counts = Counter(t for ids, start in map(lambda r: encode(tokenizer, r), train) for t in ids[start:])
+    total, vocab = sum(counts.values()), len(tokenizer)
+    targets = [ids[start:] for ids, start in (encode(tokenizer, r) for r in scored)]
+    expected = [-sum(math.log((counts[t] + 1) / (total + vocab)) for t in ids) for ids in targets]
+    assert result.record_losses == pytest.approx(expected) and result.records == 7
+    assert result.loss == pytest.approx(sum(expected) / sum(map(len, targets)))
+    top = counts.most_common(1)[0][0]
+    assert result.accuracy == pytest.approx(sum(ids.count(top) for ids in targets) / sum(map(len, targets)))
+    # a token never seen in training costs log(total + vocab), finite
+    assert 0 < result.loss < math.log(total + vocab)
+
+
+def test_the_loss_table_takes_the_unigram_row_from_the_recipes_distillation_rows(tmp_path):
+    """``--unigram``: a row of its own, beside the models, from the recipe's tokenizer and distillation rows; refused
+    without a recipe."""
+    from pipeline.lm_loss import main
+
+    text = main([], "builtin:arithmetic?terms=2", 5, "demo", "cpu", str(tmp_path / "loss.md"), unigram=True)
+    assert "| tokens' frequencies (no reading) | 1 |" in text and "5 records of" in text
+    with pytest.raises(ValueError, match="--recipe"):
+        main([], "builtin:arithmetic?terms=2", 5, None, "cpu", None, unigram=True)
