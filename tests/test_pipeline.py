@@ -316,8 +316,8 @@ def test_values_that_cannot_work_are_refused_when_the_recipe_loads(override, key
 
 def test_the_overlong_penalty_beside_masked_truncated_completions_is_refused():
     """Masked, a completion cut at the limit is unscored and out of the loss while one that ends in the penalty's
-    ramp is punished: never ending escapes it (a 135M model's cut completions rose from 14% to 47% of its batches so).
-    Each alone is accepted."""
+    ramp is punished: never ending escapes it (a 135M model's cut completions rose from 14% to 47% of its batches
+    under it, docs/real_model.md). Each alone is accepted."""
     with pytest.raises(RecipeError, match=r"demo.yaml.*grpo.mask_truncated_completions: true beside grpo.rewards"):
         load_recipe("demo", ["grpo.mask_truncated_completions=true", "grpo.rewards.overlong=1.0",
                              "grpo.rewards.overlong_cache=16"])
