@@ -4,6 +4,7 @@ imports inside functions too), and the rollout folder keeps each job in its own 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,3 +142,14 @@ def test_the_run_loop_is_short_and_no_engine_class_is_long():
 
     assert list(STAGES) == ["align", "distill", "grpo", "eval"]
     assert all(type(s).run is not Stage.run and type(s).highlight is not Stage.highlight for s in STAGES.values())
+
+
+def test_no_installed_distribution_but_this_one_provides_kernels():
+    """The project's Triton kernels are the top-level package ``kernels``, the import name of Hugging Face's kernel hub
+    too; transformers imports that one when it is installed and fails on ours, deep inside ``import transformers``.
+    The pin on transformers keeps it out (5.25 requires it): an install that brings it back fails here, by name."""
+    providers = set(importlib.metadata.packages_distributions().get("kernels", ()))
+    assert providers <= {"sse-pipeline"}, (
+        f"{sorted(providers - {'sse-pipeline'})} also installs a top-level 'kernels' package, which shadows or is "
+        "shadowed by this project's kernels/: pip uninstall it (transformers >= 5.25 requires it: keep "
+        "transformers < 5.25)")
