@@ -70,6 +70,16 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
     return fresh
 
 
+def finished(recipe: Recipe, stage: str, stage_dir: Path) -> str | None:
+    """A training stage's final model where this machine has it whole and nothing is stored elsewhere: the next
+    stage starts from it without a worker started only to find it done (with ``storage``, the stage's task hands
+    on the stored copy)."""
+    final = stage_dir / "final"
+    if stage == "eval" or recipe.storage is not None or not is_done(final):
+        return None
+    return str(final)
+
+
 PROJECT_PACKAGES = ("common", "sse_model", "kernels", "pipeline", "rewards", "eval")
 
 
@@ -193,6 +203,6 @@ def _run_stages(recipe: Recipe, out: Path, stages: tuple[str, ...], address: str
         stage_start = time.time()
         stage_dir = out / stage
         redone = prepare_stage(recipe, stage, stage_dir, redo=redone or stage in redo) or redone
-        current = STAGE_OBJECTS[stage].run(recipe, stage_dir, current, plan)
+        current = finished(recipe, stage, stage_dir) or STAGE_OBJECTS[stage].run(recipe, stage_dir, current, plan)
         timings[stage] = time.time() - stage_start
     return write_report(recipe, out, timings, time.time() - started)

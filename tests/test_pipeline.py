@@ -390,6 +390,33 @@ def test_one_run_per_output_folder(tmp_path):
         assert lock.held
 
 
+def test_a_finished_stage_starts_no_worker_on_a_rerun(tmp_path, monkeypatch):
+    """A rerun of a finished stage hands its final model on from the folder: a Ray worker started only to find the
+    stage done cost every rerun seconds of imports (``sse-pipeline eval`` after ``run``, a sweep run again). With a
+    storage location the stage's task still runs: it hands on the stored copy."""
+    from pipeline.checkpoints import DONE
+    from pipeline.recipe import recipe_to_dict
+    from pipeline.run import finished, run_recipe
+    from pipeline.stages import STAGES
+
+    recipe = load_recipe("demo", [f"output_dir={tmp_path}", "grpo.enabled=false", "eval.enabled=false"])
+    final = tmp_path / "distill" / "final"
+    final.mkdir(parents=True)
+    (tmp_path / "distill" / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    (final / DONE).write_text("{}")
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started for a finished stage")
+
+    monkeypatch.setattr(STAGES["distill"], "run", no_worker)
+    report = run_recipe(recipe, ("distill",))
+    assert f"`{final}`" in report.read_text()
+    assert finished(recipe, "distill", tmp_path / "distill") == str(final)
+    assert finished(recipe, "grpo", tmp_path / "grpo") is None  # not run yet
+    stored = load_recipe("demo", [f"output_dir={tmp_path}", f"storage={tmp_path / 'store'}"])
+    assert finished(stored, "distill", tmp_path / "distill") is None
+
+
 def test_a_rerun_with_changed_settings_is_refused_or_redone(tmp_path, caplog):
     """Each stage keeps the recipe it ran with; a re-run that changes its settings is refused before anything
     starts, naming the keys; --redo moves the old outputs (and those of later stages) aside and reruns."""
