@@ -22,6 +22,7 @@ from .recipe import Recipe, RecipeError, recipe_to_dict, stage_settings
 from .report import write_report
 from .stages import STAGES as STAGE_OBJECTS
 from .stages import stage_runs
+from .stages.base import finished
 from .storage import set_aside
 
 logger = logging.getLogger(__name__)
@@ -68,16 +69,6 @@ def prepare_stage(recipe: Recipe, stage: str, stage_dir: Path, redo: bool) -> bo
     stage_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(yaml.safe_dump(now, sort_keys=False))
     return fresh
-
-
-def finished(recipe: Recipe, stage: str, stage_dir: Path) -> str | None:
-    """A training stage's final model where this machine has it whole and nothing is stored elsewhere: the next
-    stage starts from it without a worker started only to find it done (with ``storage``, the stage's task hands
-    on the stored copy)."""
-    final = stage_dir / "final"
-    if stage == "eval" or recipe.storage is not None or not is_done(final):
-        return None
-    return str(final)
 
 
 PROJECT_PACKAGES = ("common", "sse_model", "kernels", "pipeline", "rewards", "eval")

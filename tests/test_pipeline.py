@@ -396,8 +396,9 @@ def test_a_finished_stage_starts_no_worker_on_a_rerun(tmp_path, monkeypatch):
     storage location the stage's task still runs: it hands on the stored copy."""
     from pipeline.checkpoints import DONE
     from pipeline.recipe import recipe_to_dict
-    from pipeline.run import finished, run_recipe
+    from pipeline.run import run_recipe
     from pipeline.stages import STAGES
+    from pipeline.stages.base import finished
 
     recipe = load_recipe("demo", [f"output_dir={tmp_path}", "grpo.enabled=false", "eval.enabled=false"])
     final = tmp_path / "distill" / "final"

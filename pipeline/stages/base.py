@@ -148,6 +148,16 @@ def done(stage: str, out_dir: Path) -> Path | None:
     return None
 
 
+def finished(recipe: Recipe, stage: str, stage_dir: Path) -> str | None:
+    """A training stage's final model where this machine has it whole and nothing is stored elsewhere: the run
+    hands it on without starting a worker only to find it done (with ``storage``, the stage's task hands on the
+    stored copy)."""
+    final = Path(stage_dir) / "final"
+    if stage == "eval" or recipe.storage is not None or not is_done(final):
+        return None
+    return str(final)
+
+
 def callbacks(recipe: Recipe, stage: str, out_dir: Path, timer=None) -> list:
     """Every worker marks (and stores) complete checkpoints; the first also logs the metrics."""
     marker = CheckpointMarker(recipe.stored_at(stage, "checkpoints"))
