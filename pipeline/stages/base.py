@@ -152,10 +152,8 @@ def finished(recipe: Recipe, stage: str, stage_dir: Path) -> str | None:
     """A training stage's final model where this machine has it whole and nothing is stored elsewhere: the run
     hands it on without starting a worker only to find it done (with ``storage``, the stage's task hands on the
     stored copy)."""
-    final = Path(stage_dir) / "final"
-    if stage == "eval" or recipe.storage is not None or not is_done(final):
-        return None
-    return str(final)
+    final = done(stage, stage_dir) if recipe.storage is None else None  # an evaluation writes no final model
+    return None if final is None else str(final)
 
 
 def callbacks(recipe: Recipe, stage: str, out_dir: Path, timer=None) -> list:
