@@ -9,7 +9,9 @@ os.environ.setdefault("SSE_PIPELINE_CACHE", tempfile.mkdtemp(prefix="sse-pipelin
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# under pytest-xdist (the README runs `-n 2`) the workers share the cores rather than each taking them all
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
 
 @pytest.fixture(autouse=True)
 def _seed():
