@@ -332,7 +332,8 @@ def level_table(rows: list[tuple[str, Evaluation]], benchmarks: list[str], sizes
     for name, e in rows:
         cells = []
         for b in benchmarks:
-            summaries = [m.benchmarks[b] for m in (e.members or [e]) if b in m.benchmarks]
+            # a pool has a level where every member scored the benchmark (its own benchmarks, :func:`pooled`)
+            summaries = [m.benchmarks[b] for m in (e.members or [e])] if b in e.benchmarks else []
             if not summaries or not sizes.get(b):
                 cells.append("")
                 continue

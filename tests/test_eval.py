@@ -915,3 +915,25 @@ def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
     lenient = text[text.index("| change, lenient, answers > 10"):]
     assert "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.4) | +2.5 (-0.1 to +5.7) | " \
            "+0.9 (-0.4 to +2.3) |" in lenient
+
+
+def test_the_kept_cut_validation_runs_read_as_docs_real_model_says(tmp_path):
+    """``compare`` on the kept validation runs with cut completions scored (docs/runs/2026-12-07-cut-validation)
+    beside the same seeds masked: seed 3, which learned nothing masked, learns scored, and over both seeds scored
+    beats masked on answers above 10. The masked seed 3 was also scored on the test sets, which the others were not:
+    a pool's level is read on the benchmarks all its runs scored (this comparison failed on it before)."""
+    from pipeline.cli import main
+
+    docs = Path(__file__).parents[1] / "docs" / "runs"
+    cut = docs / "2026-12-07-cut-validation"
+    assert main(["compare", f"cut-s0={cut / 's0'}", f"cut-s3={cut / 's3'}",
+                 f"masked-s0={docs / '2026-12-02-grpo-lr-validation' / 'lr2'}",
+                 f"masked-s3={docs / '2026-12-02b-frozen-transformer' / 'v3'}", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    assert "| mean of cut-s0, cut-s3, after GRPO | 8.8 (7.1-10.6) boxed" in text
+    assert "| mean of cut-s0, cut-s3, after GRPO | 8.4 (6.6-10.3); 6.3x the baseline's 1.3 |" in text
+    above_10 = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
+    assert "| cut-s3: after distillation -> after GRPO | +8.1 (+6.1 to +10.0) |" in above_10
+    assert "| masked-s3: after distillation -> after GRPO | -0.1 (-0.4 to +0.3) |" in above_10
+    assert "| mean of cut-s0, cut-s3: after distillation -> after GRPO | +8.0 (+6.2 to +9.8) |" in above_10
+    assert "| mean of masked-s0, masked-s3 - mean of cut-s0, cut-s3, after GRPO | -5.7 (-9.1 to -2.1) |" in above_10
