@@ -2,6 +2,7 @@
 
     python -m benchmarks.pipeline.grpo_loss_pass                                   # sse-h-2b, transformer-2b (GPU)
     python -m benchmarks.pipeline.grpo_loss_pass --models sse-h-tiny --shapes 4x64 --prompt 16 --device cpu
+    python -m benchmarks.pipeline.grpo_loss_pass --models sse-h-2b --shapes 16x32768 --precisions bf16-mixed fp32
 
 For each model (random weights, float32 masters, bf16 autocast on CUDA, gradient checkpointing, as
 ``recipes/paper-2b`` trains) and each ``COMPLETIONSxLENGTH`` shape: completions of ``LENGTH`` tokens after
@@ -9,7 +10,8 @@ For each model (random weights, float32 masters, bf16 autocast on CUDA, gradient
 ``micro-batch x (prompt + length)`` tokens (the trainer's default budget, :func:`pipeline.packing.packed_logps`).
 Times the log-prob pass (no gradients: the old policy's log-probs) and the loss pass (a policy-gradient surrogate
 with the per-token ratio, backward, gradients accumulated over the micro-batches), and the peak memory. Prints a
-markdown table.
+markdown table. ``--precisions fp32`` times the passes without autocast, as ``precision: fp32`` trains: with a
+float32 engine, the setting under which engine and trainer compute the same policy (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import torch
 from benchmarks.common import model_spec, release
 
 
-def timed_passes(model, completions: int, length: int, prompt: int, micro_batch: int, device: torch.device) -> dict:
+def timed_passes(model, completions: int, length: int, prompt: int, micro_batch: int, device: torch.device,
+                 precision: str = "bf16-mixed") -> dict:
     from pipeline.packing import packed_logps
 
     def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+        if device.type == "cuda" and precision == "bf16-mixed":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def sync():
         if device.type == "cuda":
@@ -66,6 +71,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="+", default=["64x8192", "16x32768"], help="COMPLETIONSxLENGTH")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=2, help="rows per packed forward (paper-2b: 2)")
+    parser.add_argument("--precisions", nargs="+", default=["bf16-mixed"], choices=["bf16-mixed", "fp32"],
+                        help="bf16 autocast over float32 masters (the recipes' on CUDA), or float32 throughout")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     from trl.trainer.utils import add_fused_lm_head
@@ -87,30 +94,32 @@ def main(argv=None) -> None:
         model = SSEForCausalLM(config).to(device).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as TRL's GRPOTrainer patches its policy
-        timed_passes(model, 2, 64, 16, 2, device)  # compile and warm up
-        for completions, length in shapes:
-            try:
-                r = timed_passes(model, completions, length, args.prompt, args.micro_batch, device)
-            except torch.OutOfMemoryError:
-                r = None
-                model.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-            rows.append((name, completions, length, r))
-            print(name, completions, length, r, flush=True)
+        for precision in args.precisions:
+            timed_passes(model, 2, 64, 16, 2, device, precision)  # compile and warm up
+            for completions, length in shapes:
+                try:
+                    r = timed_passes(model, completions, length, args.prompt, args.micro_batch, device, precision)
+                except torch.OutOfMemoryError:
+                    r = None
+                    model.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                rows.append((name, precision, completions, length, r))
+                print(name, precision, completions, length, r, flush=True)
         del model
         release(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\nGRPO trainer passes, prompts of {args.prompt} tokens, micro-batches of {args.micro_batch} rows "
           f"({where})\n")
-    print("| model | completions x length | tokens | log-prob pass s | loss pass s | loss pass tokens/s | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, completions, length, r in rows:
+    print("| model | precision | completions x length | tokens | log-prob pass s | loss pass s | loss pass tokens/s "
+          "| peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, precision, completions, length, r in rows:
         if r is None:
-            print(f"| {name} | {completions} x {length} | | out of memory | | | |")
+            print(f"| {name} | {precision} | {completions} x {length} | | out of memory | | | |")
             continue
         peak = "n/a" if device.type != "cuda" else f"{r['peak_gib']:.1f}"
-        print(f"| {name} | {completions} x {length} | {r['tokens']:,} | {r['logp_s']:.1f} | {r['loss_s']:.1f} | "
-              f"{r['tokens'] / r['loss_s']:,.0f} | {peak} |")
+        print(f"| {name} | {precision} | {completions} x {length} | {r['tokens']:,} | {r['logp_s']:.1f} | "
+              f"{r['loss_s']:.1f} | {r['tokens'] / r['loss_s']:,.0f} | {peak} |")
 
 
 if __name__ == "__main__":
