@@ -917,6 +917,27 @@ def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
            "+0.9 (-0.4 to +2.3) |" in lenient
 
 
+def test_the_kept_test_runs_of_the_recipe_as_it_is_read_as_docs_real_model_says(tmp_path):
+    """``compare`` on the Transformer arm's test runs with cut completions scored (docs/runs/2026-12-07b-test-
+    transformer, fresh seeds 4 and 5): both seeds gain on the test stories' answers above 10 and so does their mean,
+    its interval over runs and problems above zero; against the masked test runs (seeds 2 and 3) the difference
+    after GRPO is not shown."""
+    from pipeline.cli import main
+
+    docs = Path(__file__).parents[1] / "docs" / "runs"
+    runs, masked = docs / "2026-12-07b-test-transformer", docs / "2026-12-02b-frozen-transformer"
+    assert main(["compare", f"s4={runs / 's4'}", f"s5={runs / 's5'}", f"masked-v2={masked / 'v2'}",
+                 f"masked-v3={masked / 'v3'}", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    assert "| mean of s4, s5, after GRPO | 5.1 (2.0-8.5) boxed" in text
+    assert "| mean of s4, s5, after GRPO | 4.6 (1.8-7.8); 10.4x the baseline's 0.4 |" in text
+    above_10 = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
+    assert "| s4: after distillation -> after GRPO | +6.8 (+5.4 to +8.1) |" in above_10
+    assert "| s5: after distillation -> after GRPO | +2.1 (+1.3 to +2.8) |" in above_10
+    assert "| mean of s4, s5: after distillation -> after GRPO | +4.4 (+1.5 to +7.6) |" in above_10
+    assert "| mean of masked-v2, masked-v3 - mean of s4, s5, after GRPO | -1.8 (-6.9 to +3.3) |" in above_10
+
+
 def test_the_kept_cut_validation_runs_read_as_docs_real_model_says(tmp_path):
     """``compare`` on the kept validation runs with cut completions scored (docs/runs/2026-12-07-cut-validation)
     beside the same seeds masked: seed 3, which learned nothing masked, learns scored, and over both seeds scored
