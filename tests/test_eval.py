@@ -869,17 +869,28 @@ def test_t_quantiles_and_a_prediction_interval_hold_a_new_draw_95_percent_of_the
     assert 0.935 < hits / 4000 < 0.965
 
 
+KEPT_RUNS = Path(__file__).parents[1] / "docs" / "runs"
+
+
+def _compare_kept(tmp_path, **runs) -> tuple[str, str]:
+    """``sse-pipeline compare`` on kept runs (label -> folder under docs/runs): its markdown, and the part of it from
+    the boxed change on answers above 10 to the lenient change."""
+    from pipeline.cli import main
+
+    assert main(["compare", *(f"{label}={KEPT_RUNS / run}" for label, run in runs.items()), "--out",
+                 str(tmp_path)]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    return text, text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
+
+
 def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
     """``compare`` on the kept validation runs (docs/runs/2026-11-29c-grpo-data-validation, 2026-12-02-grpo-lr-
     validation): GRPO on 1-3-step problems lifts the four-event stories' answers above 10 at either learning rate,
     over two seeds each, and the rates' difference stays within reach of zero."""
-    from pipeline.cli import main
-
-    docs = Path(__file__).parents[1] / "docs" / "runs"
-    data, rate = docs / "2026-11-29c-grpo-data-validation", docs / "2026-12-02-grpo-lr-validation"
-    assert main(["compare", f"lr1-s0={data / 'wp12k-g13'}", f"lr1-s1={rate / 's1'}", f"lr2-s0={rate / 'lr2'}",
-                 f"lr2-s1={rate / 'lr2-s1'}", f"wp12k={data / 'wp12k'}", "--out", str(tmp_path)]) == 0
-    text = (tmp_path / "compare.md").read_text()
+    data, rate = "2026-11-29c-grpo-data-validation", "2026-12-02-grpo-lr-validation"
+    text, above_10 = _compare_kept(tmp_path, **{"lr1-s0": f"{data}/wp12k-g13", "lr1-s1": f"{rate}/s1",
+                                                "lr2-s0": f"{rate}/lr2", "lr2-s1": f"{rate}/lr2-s1",
+                                                "wp12k": f"{data}/wp12k"})
     assert "| lr1-s0, after GRPO | 5.8 (4.5-7.1) boxed" in text and "baseline first number: 1.2 **not beaten**" in text
     assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.5 (4.3-11.2) boxed" in text
     # a pool's cell is marked as a run's is, by its interval over runs and problems
@@ -889,7 +900,6 @@ def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
     # the level on answers above 10, as a multiple of what the best guess scores there (the goal's 5x)
     assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.4 (4.1-11.2); 5.6x the baseline's 1.3 |" in text
     assert "| lr1-s0, after GRPO | 5.4 (4.1-6.8); 4.0x the baseline's 1.3 |" in text
-    above_10 = text[text.index("| change, boxed, answers > 10"):]
     assert "| wp12k: after distillation -> after GRPO | +0.4 (-0.1 to +0.9) |" in above_10
     assert "| mean of lr1-s0, lr1-s1: after distillation -> after GRPO | +4.7 (+3.3 to +6.2) |" in above_10
     assert "| mean of lr2-s0, lr2-s1: after distillation -> after GRPO | +7.2 (+3.9 to +11.1) |" in above_10
@@ -897,18 +907,15 @@ def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
 
 
 def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
-    """``compare`` on the Transformer arm's frozen test runs (docs/runs/2026-12-02b-frozen-transformer): seed 2 learns
-    on the test stories' answers above 10, seed 3 does not, and over both the interval reaches below zero (the goal
-    unmet); on GSM8K both rise there, in part by boxing (the lenient change's interval holds zero)."""
-    from pipeline.cli import main
-
-    runs = Path(__file__).parents[1] / "docs" / "runs" / "2026-12-02b-frozen-transformer"
-    assert main(["compare", f"v2={runs / 'v2'}", f"v3={runs / 'v3'}", "--out", str(tmp_path)]) == 0
-    text = (tmp_path / "compare.md").read_text()
+    """``compare`` on the Transformer arm's frozen test runs with cut completions masked (docs/runs/2026-12-02b-
+    frozen-transformer): seed 2 learns on the test stories' answers above 10, seed 3 does not, and over both the
+    interval reaches below zero; on GSM8K both rise there, in part by boxing (the lenient change's interval holds
+    zero)."""
+    runs = "2026-12-02b-frozen-transformer"
+    text, boxed = _compare_kept(tmp_path, v2=f"{runs}/v2", v3=f"{runs}/v3")
     assert "| mean of v2, v3, after GRPO | 3.0 (0.2-6.7) boxed" in text
     assert "| mean of v2, v3, after GRPO | 3.1 (0.2-6.9); 2.3x the baseline's 1.3 | 2.8 (0.2-6.2); 6.4x the " \
            "baseline's 0.4 | 2.5 (1.3-4.0) | 0.8 (0.3-1.7) |" in text
-    boxed = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
     assert "| v2: after distillation -> after GRPO | +5.6 (+4.1 to +7.3) | +5.1 (+4.0 to +6.2) |" in boxed
     assert "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.6) | +2.6 (-0.1 to +5.9) | " \
            "+1.6 (+0.3 to +3.0) | +0.6 (-0.1 to +1.5) |" in boxed
@@ -922,16 +929,11 @@ def test_the_kept_test_runs_of_the_recipe_as_it_is_read_as_docs_real_model_says(
     transformer, fresh seeds 4 and 5): both seeds gain on the test stories' answers above 10 and so does their mean,
     its interval over runs and problems above zero; against the masked test runs (seeds 2 and 3) the difference
     after GRPO is not shown."""
-    from pipeline.cli import main
-
-    docs = Path(__file__).parents[1] / "docs" / "runs"
-    runs, masked = docs / "2026-12-07b-test-transformer", docs / "2026-12-02b-frozen-transformer"
-    assert main(["compare", f"s4={runs / 's4'}", f"s5={runs / 's5'}", f"masked-v2={masked / 'v2'}",
-                 f"masked-v3={masked / 'v3'}", "--out", str(tmp_path)]) == 0
-    text = (tmp_path / "compare.md").read_text()
+    runs, masked = "2026-12-07b-test-transformer", "2026-12-02b-frozen-transformer"
+    text, above_10 = _compare_kept(tmp_path, s4=f"{runs}/s4", s5=f"{runs}/s5", **{"masked-v2": f"{masked}/v2",
+                                                                                  "masked-v3": f"{masked}/v3"})
     assert "| mean of s4, s5, after GRPO | 5.1 (2.0-8.5) boxed" in text
     assert "| mean of s4, s5, after GRPO | 4.6 (1.8-7.8); 10.4x the baseline's 0.4 |" in text
-    above_10 = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
     assert "| s4: after distillation -> after GRPO | +6.8 (+5.4 to +8.1) |" in above_10
     assert "| s5: after distillation -> after GRPO | +2.1 (+1.3 to +2.8) |" in above_10
     assert "| mean of s4, s5: after distillation -> after GRPO | +4.4 (+1.5 to +7.6) |" in above_10
@@ -943,17 +945,12 @@ def test_the_kept_cut_validation_runs_read_as_docs_real_model_says(tmp_path):
     beside the same seeds masked: seed 3, which learned nothing masked, learns scored, and over both seeds scored
     beats masked on answers above 10. The masked seed 3 was also scored on the test sets, which the others were not:
     a pool's level is read on the benchmarks all its runs scored (this comparison failed on it before)."""
-    from pipeline.cli import main
-
-    docs = Path(__file__).parents[1] / "docs" / "runs"
-    cut = docs / "2026-12-07-cut-validation"
-    assert main(["compare", f"cut-s0={cut / 's0'}", f"cut-s3={cut / 's3'}",
-                 f"masked-s0={docs / '2026-12-02-grpo-lr-validation' / 'lr2'}",
-                 f"masked-s3={docs / '2026-12-02b-frozen-transformer' / 'v3'}", "--out", str(tmp_path)]) == 0
-    text = (tmp_path / "compare.md").read_text()
+    cut = "2026-12-07-cut-validation"
+    text, above_10 = _compare_kept(tmp_path, **{"cut-s0": f"{cut}/s0", "cut-s3": f"{cut}/s3",
+                                                "masked-s0": "2026-12-02-grpo-lr-validation/lr2",
+                                                "masked-s3": "2026-12-02b-frozen-transformer/v3"})
     assert "| mean of cut-s0, cut-s3, after GRPO | 8.8 (7.1-10.6) boxed" in text
     assert "| mean of cut-s0, cut-s3, after GRPO | 8.4 (6.6-10.3); 6.3x the baseline's 1.3 |" in text
-    above_10 = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
     assert "| cut-s3: after distillation -> after GRPO | +8.1 (+6.1 to +10.0) |" in above_10
     assert "| masked-s3: after distillation -> after GRPO | -0.1 (-0.4 to +0.3) |" in above_10
     assert "| mean of cut-s0, cut-s3: after distillation -> after GRPO | +8.0 (+6.2 to +9.8) |" in above_10
