@@ -872,15 +872,17 @@ def test_t_quantiles_and_a_prediction_interval_hold_a_new_draw_95_percent_of_the
 KEPT_RUNS = Path(__file__).parents[1] / "docs" / "runs"
 
 
-def _compare_kept(tmp_path, **runs) -> tuple[str, str]:
-    """``sse-pipeline compare`` on kept runs (label -> folder under docs/runs): its markdown, and the part of it from
-    the boxed change on answers above 10 to the lenient change."""
+def _compare_kept(tmp_path, runs: dict[str, str], rows=(), above_10=()) -> str:
+    """``sse-pipeline compare`` on kept runs (label -> folder under docs/runs); each of ``rows`` is in its markdown,
+    each of ``above_10`` in its table of boxed changes on answers above 10. Returns the markdown."""
     from pipeline.cli import main
 
     assert main(["compare", *(f"{label}={KEPT_RUNS / run}" for label, run in runs.items()), "--out",
                  str(tmp_path)]) == 0
     text = (tmp_path / "compare.md").read_text()
-    return text, text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
+    boxed_above_10 = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
+    assert [r for r in rows if r not in text] == [] and [r for r in above_10 if r not in boxed_above_10] == []
+    return text
 
 
 def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
@@ -888,22 +890,22 @@ def test_the_kept_grpo_validation_runs_read_as_docs_real_model_says(tmp_path):
     validation): GRPO on 1-3-step problems lifts the four-event stories' answers above 10 at either learning rate,
     over two seeds each, and the rates' difference stays within reach of zero."""
     data, rate = "2026-11-29c-grpo-data-validation", "2026-12-02-grpo-lr-validation"
-    text, above_10 = _compare_kept(tmp_path, **{"lr1-s0": f"{data}/wp12k-g13", "lr1-s1": f"{rate}/s1",
-                                                "lr2-s0": f"{rate}/lr2", "lr2-s1": f"{rate}/lr2-s1",
-                                                "wp12k": f"{data}/wp12k"})
-    assert "| lr1-s0, after GRPO | 5.8 (4.5-7.1) boxed" in text and "baseline first number: 1.2 **not beaten**" in text
-    assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.5 (4.3-11.2) boxed" in text
+    text = _compare_kept(
+        tmp_path, {"lr1-s0": f"{data}/wp12k-g13", "lr1-s1": f"{rate}/s1", "lr2-s0": f"{rate}/lr2",
+                   "lr2-s1": f"{rate}/lr2-s1", "wp12k": f"{data}/wp12k"},
+        rows=["| lr1-s0, after GRPO | 5.8 (4.5-7.1) boxed", "baseline first number: 1.2 **not beaten**",
+              "| mean of lr2-s0, lr2-s1, after GRPO | 7.5 (4.3-11.2) boxed",
+              "| mean of lr1-s0, lr1-s1, after distillation | 0.3 (0.1-0.5) boxed",
+              # the level on answers above 10, as a multiple of what the best guess scores there (the goal's 5x)
+              "| mean of lr2-s0, lr2-s1, after GRPO | 7.4 (4.1-11.2); 5.6x the baseline's 1.3 |",
+              "| lr1-s0, after GRPO | 5.4 (4.1-6.8); 4.0x the baseline's 1.3 |"],
+        above_10=["| wp12k: after distillation -> after GRPO | +0.4 (-0.1 to +0.9) |",
+                  "| mean of lr1-s0, lr1-s1: after distillation -> after GRPO | +4.7 (+3.3 to +6.2) |",
+                  "| mean of lr2-s0, lr2-s1: after distillation -> after GRPO | +7.2 (+3.9 to +11.1) |",
+                  "| mean of lr2-s0, lr2-s1 - mean of lr1-s0, lr1-s1, after GRPO | +2.5 (-1.0 to +6.4) |"])
     # a pool's cell is marked as a run's is, by its interval over runs and problems
-    assert "| mean of lr1-s0, lr1-s1, after distillation | 0.3 (0.1-0.5) boxed" in text
     assert [line.endswith("baseline first number: 1.2 **not beaten** |") for line in text.splitlines()
             if line.startswith("| mean of") and "boxed," in line] == [True, False, False]
-    # the level on answers above 10, as a multiple of what the best guess scores there (the goal's 5x)
-    assert "| mean of lr2-s0, lr2-s1, after GRPO | 7.4 (4.1-11.2); 5.6x the baseline's 1.3 |" in text
-    assert "| lr1-s0, after GRPO | 5.4 (4.1-6.8); 4.0x the baseline's 1.3 |" in text
-    assert "| wp12k: after distillation -> after GRPO | +0.4 (-0.1 to +0.9) |" in above_10
-    assert "| mean of lr1-s0, lr1-s1: after distillation -> after GRPO | +4.7 (+3.3 to +6.2) |" in above_10
-    assert "| mean of lr2-s0, lr2-s1: after distillation -> after GRPO | +7.2 (+3.9 to +11.1) |" in above_10
-    assert "| mean of lr2-s0, lr2-s1 - mean of lr1-s0, lr1-s1, after GRPO | +2.5 (-1.0 to +6.4) |" in above_10
 
 
 def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
@@ -912,13 +914,14 @@ def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
     interval reaches below zero; on GSM8K both rise there, in part by boxing (the lenient change's interval holds
     zero)."""
     runs = "2026-12-02b-frozen-transformer"
-    text, boxed = _compare_kept(tmp_path, v2=f"{runs}/v2", v3=f"{runs}/v3")
-    assert "| mean of v2, v3, after GRPO | 3.0 (0.2-6.7) boxed" in text
-    assert "| mean of v2, v3, after GRPO | 3.1 (0.2-6.9); 2.3x the baseline's 1.3 | 2.8 (0.2-6.2); 6.4x the " \
-           "baseline's 0.4 | 2.5 (1.3-4.0) | 0.8 (0.3-1.7) |" in text
-    assert "| v2: after distillation -> after GRPO | +5.6 (+4.1 to +7.3) | +5.1 (+4.0 to +6.2) |" in boxed
-    assert "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.6) | +2.6 (-0.1 to +5.9) | " \
-           "+1.6 (+0.3 to +3.0) | +0.6 (-0.1 to +1.5) |" in boxed
+    text = _compare_kept(
+        tmp_path, {"v2": f"{runs}/v2", "v3": f"{runs}/v3"},
+        rows=["| mean of v2, v3, after GRPO | 3.0 (0.2-6.7) boxed",
+              "| mean of v2, v3, after GRPO | 3.1 (0.2-6.9); 2.3x the baseline's 1.3 | 2.8 (0.2-6.2); 6.4x the "
+              "baseline's 0.4 | 2.5 (1.3-4.0) | 0.8 (0.3-1.7) |"],
+        above_10=["| v2: after distillation -> after GRPO | +5.6 (+4.1 to +7.3) | +5.1 (+4.0 to +6.2) |",
+                  "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.6) | +2.6 (-0.1 to +5.9) | "
+                  "+1.6 (+0.3 to +3.0) | +0.6 (-0.1 to +1.5) |"])
     lenient = text[text.index("| change, lenient, answers > 10"):]
     assert "| mean of v2, v3: after distillation -> after GRPO | +2.8 (-0.2 to +6.4) | +2.5 (-0.1 to +5.7) | " \
            "+0.9 (-0.4 to +2.3) |" in lenient
@@ -930,14 +933,14 @@ def test_the_kept_test_runs_of_the_recipe_as_it_is_read_as_docs_real_model_says(
     its interval over runs and problems above zero; against the masked test runs (seeds 2 and 3) the difference
     after GRPO is not shown."""
     runs, masked = "2026-12-07b-test-transformer", "2026-12-02b-frozen-transformer"
-    text, above_10 = _compare_kept(tmp_path, s4=f"{runs}/s4", s5=f"{runs}/s5", **{"masked-v2": f"{masked}/v2",
-                                                                                  "masked-v3": f"{masked}/v3"})
-    assert "| mean of s4, s5, after GRPO | 5.1 (2.0-8.5) boxed" in text
-    assert "| mean of s4, s5, after GRPO | 4.6 (1.8-7.8); 10.4x the baseline's 0.4 |" in text
-    assert "| s4: after distillation -> after GRPO | +6.8 (+5.4 to +8.1) |" in above_10
-    assert "| s5: after distillation -> after GRPO | +2.1 (+1.3 to +2.8) |" in above_10
-    assert "| mean of s4, s5: after distillation -> after GRPO | +4.4 (+1.5 to +7.6) |" in above_10
-    assert "| mean of masked-v2, masked-v3 - mean of s4, s5, after GRPO | -1.8 (-6.9 to +3.3) |" in above_10
+    _compare_kept(tmp_path, {"s4": f"{runs}/s4", "s5": f"{runs}/s5", "masked-v2": f"{masked}/v2",
+                             "masked-v3": f"{masked}/v3"},
+                  rows=["| mean of s4, s5, after GRPO | 5.1 (2.0-8.5) boxed",
+                        "| mean of s4, s5, after GRPO | 4.6 (1.8-7.8); 10.4x the baseline's 0.4 |"],
+                  above_10=["| s4: after distillation -> after GRPO | +6.8 (+5.4 to +8.1) |",
+                            "| s5: after distillation -> after GRPO | +2.1 (+1.3 to +2.8) |",
+                            "| mean of s4, s5: after distillation -> after GRPO | +4.4 (+1.5 to +7.6) |",
+                            "| mean of masked-v2, masked-v3 - mean of s4, s5, after GRPO | -1.8 (-6.9 to +3.3) |"])
 
 
 def test_the_kept_cut_validation_runs_read_as_docs_real_model_says(tmp_path):
@@ -946,12 +949,13 @@ def test_the_kept_cut_validation_runs_read_as_docs_real_model_says(tmp_path):
     beats masked on answers above 10. The masked seed 3 was also scored on the test sets, which the others were not:
     a pool's level is read on the benchmarks all its runs scored (this comparison failed on it before)."""
     cut = "2026-12-07-cut-validation"
-    text, above_10 = _compare_kept(tmp_path, **{"cut-s0": f"{cut}/s0", "cut-s3": f"{cut}/s3",
-                                                "masked-s0": "2026-12-02-grpo-lr-validation/lr2",
-                                                "masked-s3": "2026-12-02b-frozen-transformer/v3"})
-    assert "| mean of cut-s0, cut-s3, after GRPO | 8.8 (7.1-10.6) boxed" in text
-    assert "| mean of cut-s0, cut-s3, after GRPO | 8.4 (6.6-10.3); 6.3x the baseline's 1.3 |" in text
-    assert "| cut-s3: after distillation -> after GRPO | +8.1 (+6.1 to +10.0) |" in above_10
-    assert "| masked-s3: after distillation -> after GRPO | -0.1 (-0.4 to +0.3) |" in above_10
-    assert "| mean of cut-s0, cut-s3: after distillation -> after GRPO | +8.0 (+6.2 to +9.8) |" in above_10
-    assert "| mean of masked-s0, masked-s3 - mean of cut-s0, cut-s3, after GRPO | -5.7 (-9.1 to -2.1) |" in above_10
+    _compare_kept(tmp_path, {"cut-s0": f"{cut}/s0", "cut-s3": f"{cut}/s3",
+                             "masked-s0": "2026-12-02-grpo-lr-validation/lr2",
+                             "masked-s3": "2026-12-02b-frozen-transformer/v3"},
+                  rows=["| mean of cut-s0, cut-s3, after GRPO | 8.8 (7.1-10.6) boxed",
+                        "| mean of cut-s0, cut-s3, after GRPO | 8.4 (6.6-10.3); 6.3x the baseline's 1.3 |"],
+                  above_10=["| cut-s3: after distillation -> after GRPO | +8.1 (+6.1 to +10.0) |",
+                            "| masked-s3: after distillation -> after GRPO | -0.1 (-0.4 to +0.3) |",
+                            "| mean of cut-s0, cut-s3: after distillation -> after GRPO | +8.0 (+6.2 to +9.8) |",
+                            "| mean of masked-s0, masked-s3 - mean of cut-s0, cut-s3, after GRPO | -5.7 (-9.1 to "
+                            "-2.1) |"])
