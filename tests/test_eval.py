@@ -881,7 +881,8 @@ def _compare_kept(tmp_path, runs: dict[str, str], rows=(), above_10=()) -> str:
                  str(tmp_path)]) == 0
     text = (tmp_path / "compare.md").read_text()
     boxed_above_10 = text[text.index("| change, boxed, answers > 10"):text.index("| change, lenient |")]
-    assert [r for r in rows if r not in text] == [] and [r for r in above_10 if r not in boxed_above_10] == []
+    assert [r for r in rows if r not in text] == []
+    assert [r for r in above_10 if r not in boxed_above_10] == []
     return text
 
 
