@@ -929,19 +929,25 @@ def test_the_kept_frozen_test_runs_read_as_docs_real_model_says(tmp_path):
 
 
 def test_the_kept_test_runs_of_the_recipe_as_it_is_read_as_docs_real_model_says(tmp_path):
-    """``compare`` on the Transformer arm's test runs with cut completions scored (docs/runs/2026-12-07b-test-
-    transformer, fresh seeds 4 and 5): both seeds gain on the test stories' answers above 10 and so does their mean,
-    its interval over runs and problems above zero; against the masked test runs (seeds 2 and 3) the difference
-    after GRPO is not shown."""
+    """``compare`` on the test runs with cut completions scored, fresh seeds: the Transformer arm's 4 and 5
+    (docs/runs/2026-12-07b-test-transformer) both gain on the test stories' answers above 10 and so does their mean,
+    its interval over runs and problems above zero, and against the masked test runs (seeds 2 and 3) the difference
+    after GRPO is not shown; SSE-H's seed 4 (docs/runs/2026-12-07c-test-sse-h) gains less, level with the Transformer
+    after distillation and below it after GRPO."""
     runs, masked = "2026-12-07b-test-transformer", "2026-12-02b-frozen-transformer"
     _compare_kept(tmp_path, {"s4": f"{runs}/s4", "s5": f"{runs}/s5", "masked-v2": f"{masked}/v2",
-                             "masked-v3": f"{masked}/v3"},
+                             "masked-v3": f"{masked}/v3", "sse-s4": "2026-12-07c-test-sse-h/s4"},
                   rows=["| mean of s4, s5, after GRPO | 5.1 (2.0-8.5) boxed",
-                        "| mean of s4, s5, after GRPO | 4.6 (1.8-7.8); 10.4x the baseline's 0.4 |"],
+                        "| mean of s4, s5, after GRPO | 4.6 (1.8-7.8); 10.4x the baseline's 0.4 |",
+                        "| sse-s4, after GRPO | 2.5 (1.9-3.1) boxed",
+                        "| sse-s4, after GRPO | 1.9 (1.4-2.6); 4.4x the baseline's 0.4 |"],
                   above_10=["| s4: after distillation -> after GRPO | +6.8 (+5.4 to +8.1) |",
                             "| s5: after distillation -> after GRPO | +2.1 (+1.3 to +2.8) |",
                             "| mean of s4, s5: after distillation -> after GRPO | +4.4 (+1.5 to +7.6) |",
-                            "| mean of masked-v2, masked-v3 - mean of s4, s5, after GRPO | -1.8 (-6.9 to +3.3) |"])
+                            "| mean of masked-v2, masked-v3 - mean of s4, s5, after GRPO | -1.8 (-6.9 to +3.3) |",
+                            "| sse-s4: after distillation -> after GRPO | +1.6 (+1.0 to +2.2) |",
+                            "| sse-s4 - s4, after distillation | +0.1 (-0.2 to +0.3) |",
+                            "| sse-s4 - s4, after GRPO | -5.1 (-6.4 to -3.7) |"])
 
 
 def test_the_kept_cut_validation_runs_read_as_docs_real_model_says(tmp_path):
