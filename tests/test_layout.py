@@ -153,3 +153,18 @@ def test_no_installed_distribution_but_this_one_provides_kernels():
         f"{sorted(providers - {'sse-pipeline'})} also installs a top-level 'kernels' package, which shadows or is "
         "shadowed by this project's kernels/: pip uninstall it (transformers >= 5.25 requires it: keep "
         "transformers < 5.25)")
+
+
+def test_a_worker_that_reads_a_recipe_or_evaluates_imports_no_trainer():
+    """A Ray worker unpickles a recipe (``pipeline.recipe``), and evaluation's generation and scoring workers import
+    ``pipeline.stages.evaluate``: neither loads the rollout engine's kernels, nor a trainer, nor the other stages
+    (the packages' ``__init__`` imported them all, seconds of every worker's start)."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "triton", "trl", "transformers.trainer", "pipeline.rollout.engine", "pipeline.stages.align",
+             "pipeline.stages.distill", "pipeline.stages.grpo")
+    for module, allowed in (("pipeline.recipe", ()), ("pipeline.stages.evaluate", ("torch", "triton"))):
+        probe = f"import sys, {module}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+        loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+        assert set(loaded.stdout.split()) - set(allowed) == set(), (module, loaded.stdout)
