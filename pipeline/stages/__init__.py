@@ -7,10 +7,14 @@ scoring) imports that stage's module, not every trainer's."""
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import Stage
 
 
 @cache
-def _stages() -> dict:
+def _stages() -> dict[str, Stage]:
     from .align import AlignStage
     from .distill import DistillStage
     from .evaluate import EvalStage
